@@ -1,0 +1,162 @@
+/*
+ * cpumoe — public C API of the torch-free core.
+ *
+ * Everything the PyTorch binding calls, usable from plain C programs:
+ *   - enums for dtypes, weight schemes, activations, ISA tiers and status codes;
+ *   - the MoE problem description and its two entry points (workspace size, run);
+ *   - the weight packers (byte layouts in docs/FORMATS.md);
+ *   - the parallel-for hook through which the caller supplies threads;
+ *   - CPU feature / ISA tier queries and the tier cap (CPUMOE_ISA).
+ *
+ * Conventions: sizes are int64_t element counts; tensors are dense row-major;
+ * 16-bit floats travel as raw uint16_t bits. No function allocates memory:
+ * ops ask for a workspace size, the caller passes that many bytes.
+ * On failure a function returns a non-zero status and cpumoe_last_error()
+ * returns a message for the calling thread.
+ */
+#ifndef CPUMOE_CPUMOE_H
+#define CPUMOE_CPUMOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum cpumoe_status {
+  CPUMOE_OK = 0,
+  CPUMOE_EINVAL = 1,      /* an argument is out of its documented range */
+  CPUMOE_EUNSUPPORTED = 2, /* valid, but not implemented (size, scheme) */
+  CPUMOE_EWORKSPACE = 3,  /* workspace missing or smaller than asked for */
+} cpumoe_status;
+
+typedef enum cpumoe_dtype {
+  CPUMOE_DTYPE_BF16 = 0,
+  CPUMOE_DTYPE_F16 = 1,
+  CPUMOE_DTYPE_F32 = 2,
+  CPUMOE_DTYPE_F64 = 3,
+  CPUMOE_DTYPE_I8 = 4,
+  CPUMOE_DTYPE_U8 = 5,
+  CPUMOE_DTYPE_F8E4M3 = 6,
+  CPUMOE_DTYPE_I32 = 7,
+  CPUMOE_DTYPE_I64 = 8,
+} cpumoe_dtype;
+
+/* moe_comp_method values of SGLang's schema. */
+typedef enum cpumoe_scheme {
+  CPUMOE_SCHEME_UNQUANT = 0,   /* bf16/fp16 weights in the activation dtype */
+  CPUMOE_SCHEME_INT8_W8A8 = 1,
+  CPUMOE_SCHEME_FP8_W8A16 = 2,
+  CPUMOE_SCHEME_INT4_W4A8 = 3,
+} cpumoe_scheme;
+
+typedef enum cpumoe_activation {
+  /* w1 rows are [gate; up]: a = silu(h[:N]) * h[N:] */
+  CPUMOE_ACT_SILU_MUL = 0,
+  /* GPT-OSS: w1 rows interleave gate/up (h[0::2], h[1::2]);
+   * g = min(g, limit), u = clamp(u, -limit, limit), a = g*sigmoid(alpha*g)*(u+1) */
+  CPUMOE_ACT_SWIGLU_CLAMP = 1,
+} cpumoe_activation;
+
+/* ISA tiers, best last. A tier is usable when the CPU has every feature it
+ * needs, the OS saves the register state, and the library was built with it. */
+typedef enum cpumoe_isa {
+  CPUMOE_ISA_SCALAR = 0, /* portable C, baseline x86-64 */
+  CPUMOE_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+  CPUMOE_ISA_AVX512 = 2, /* AVX-512 F/BW/VL/DQ + VNNI */
+  CPUMOE_ISA_COUNT = 3,
+} cpumoe_isa;
+
+/* ---- threads ---------------------------------------------------------------
+ * The core never starts threads. An op splits its work into independent tasks
+ * and asks the runner to call `worker(arg, w)` once for each w in [0, n_workers),
+ * concurrently where it can; workers pull tasks from a shared counter, so which
+ * thread runs which task never changes any result. A NULL runner means serial. */
+typedef void (*cpumoe_worker_fn)(void *arg, int64_t worker_index);
+typedef struct cpumoe_runner {
+  void (*run)(void *runner_ctx, int64_t n_workers, cpumoe_worker_fn worker, void *arg);
+  void *runner_ctx;
+  int64_t num_threads; /* how many workers to ask for (>= 1) */
+} cpumoe_runner;
+
+/* ---- fused MoE ---------------------------------------------------------------
+ * out[m] = sum_j topk_weights[m,j] * W2[e] @ act(W1[e] @ x[m] + b1[e]) + b2[e] ...
+ * with e = topk_ids[m,j], slots with id -1 skipped; see docs/ and DESIGN.md §1.
+ * Rounding points: h in fp32, act(h) rounded to the activation dtype, y in fp32,
+ * g*y and the sum over slots in fp32, one rounding of the final sum. */
+typedef struct cpumoe_moe_problem {
+  int64_t M;    /* tokens (>= 0) */
+  int64_t K;    /* hidden size, multiple of 32 */
+  int64_t N;    /* intermediate size per expert, multiple of 32 */
+  int64_t E;    /* experts */
+  int64_t topk; /* slots per token (>= 1) */
+  cpumoe_scheme scheme;
+  cpumoe_dtype act_dtype; /* BF16 or F16: x, out, residual */
+  cpumoe_activation activation;
+  float alpha, limit; /* SWIGLU_CLAMP only */
+
+  const void *x;  /* [M, K] act_dtype */
+  const void *w1; /* packed [E, 2N, K] (layout per scheme, docs/FORMATS.md) */
+  const void *w2; /* packed [E, K, N] */
+
+  /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
+   * topk_weights NULL means every weight is 1. */
+  const void *topk_ids;        /* [M, topk] I32 or I64; -1 = skip the slot */
+  cpumoe_dtype topk_ids_dtype;
+  const void *topk_weights;    /* [M, topk] F32, F64, BF16 or F16 */
+  cpumoe_dtype topk_weights_dtype;
+
+  const float *w1_bias; /* [E, 2N] or NULL (both or neither) */
+  const float *w2_bias; /* [E, K] or NULL */
+
+  /* out = result + residual_scale * residual (fp32, before the one rounding) */
+  const void *residual; /* [M, K] act_dtype or NULL */
+  float residual_scale;
+
+  void *out; /* [M, K] act_dtype; may alias x */
+} cpumoe_moe_problem;
+
+/* Bytes of workspace cpumoe_fused_experts needs for this problem with the
+ * active ISA tier; 0 when the problem is invalid (see cpumoe_last_error). */
+size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *problem);
+
+/* Runs the fused MoE. `workspace` needs no particular alignment or content. */
+cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *workspace,
+                                   size_t workspace_bytes, const cpumoe_runner *runner);
+
+/* ---- packers ------------------------------------------------------------------
+ * VNNI-2 for 16-bit weights: [rows, cols] -> blocks of 32 rows (the last may be
+ * 16), each block stored [cols/2][rows_in_block][2]. Requirements: rows % 16 == 0,
+ * cols % 32 == 0. `experts` matrices are packed one after another. */
+cpumoe_status cpumoe_pack_vnni2_16bit(const uint16_t *src, uint16_t *dst, int64_t experts,
+                                      int64_t rows, int64_t cols, const cpumoe_runner *runner);
+
+/* ---- ISA ------------------------------------------------------------------------*/
+cpumoe_isa cpumoe_active_isa(void);          /* tier the ops use */
+cpumoe_isa cpumoe_best_supported_isa(void);  /* best tier this CPU and build can run */
+const char *cpumoe_isa_name(cpumoe_isa isa); /* "scalar", "avx2", "avx512" */
+/* Parses a tier name; returns CPUMOE_ISA_COUNT for an unknown name. */
+cpumoe_isa cpumoe_isa_from_name(const char *name);
+/* Caps the active tier at `isa` (min with the best supported). */
+cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa);
+/* Why the active tier was chosen, e.g. "avx512 (best supported)". */
+const char *cpumoe_isa_reason(void);
+/* Space-separated CPU features found by cpuid/xgetbv, e.g. "avx2 fma f16c avx512f ..." */
+const char *cpumoe_cpu_features(void);
+
+/* ---- probes (for the benchmark's roofline) ----------------------------------------*/
+/* Reads `bytes` from `buffer` `passes` times on every worker (buffer split evenly
+ * across workers); returns the checksum so the reads cannot be elided. */
+double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
+                         const cpumoe_runner *runner);
+/* Runs `iterations` of a register-only fp32 FMA loop on each worker, using the active
+ * tier's widest FMA; returns the number of flops done in total (2 per lane per FMA). */
+double cpumoe_probe_fma(int64_t iterations, const cpumoe_runner *runner);
+
+const char *cpumoe_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CPUMOE_CPUMOE_H */

@@ -1,0 +1,28 @@
+/*
+ * Work distribution inside the core. An op stage is a list of independent tasks
+ * 0..n-1; cm_parallel_tasks asks the caller's runner for workers, and each worker
+ * pulls the next task index from one atomic counter until none is left. A task's
+ * result never depends on which worker ran it, so outputs are identical for any
+ * thread count.
+ */
+#ifndef CPUMOE_COMMON_PARALLEL_H
+#define CPUMOE_COMMON_PARALLEL_H
+
+#include <stdint.h>
+
+#include "cpumoe/cpumoe.h"
+
+#define CM_MAX_WORKERS 256
+
+typedef void (*cm_task_fn)(void *ctx, int64_t task);
+
+/* Workers to ask the runner for: its num_threads, at least 1, at most `limit`. */
+int64_t cm_worker_count(const cpumoe_runner *runner, int64_t limit);
+
+/* Calls worker(arg, w) for w in [0, n) through the runner (serially without one). */
+void cm_run_workers(const cpumoe_runner *runner, int64_t n, cpumoe_worker_fn worker, void *arg);
+
+/* Runs fn(ctx, t) once for every t in [0, n_tasks). */
+void cm_parallel_tasks(const cpumoe_runner *runner, int64_t n_tasks, cm_task_fn fn, void *ctx);
+
+#endif

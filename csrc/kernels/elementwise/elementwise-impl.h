@@ -1,0 +1,57 @@
+/*
+ * Elementwise kernels, written once and compiled once per tier: each
+ * elementwise-<tier>.c defines CM_TIER and includes this file, and the compiler
+ * vectorizes these loops with that tier's flags. The arithmetic is the scalar
+ * helpers of common/numeric.h, compiled with -ffp-contract=off, so every tier
+ * gives the same bits.
+ *
+ * Sizes are small (one C tile row up to one token row); no alignment assumed.
+ */
+#ifndef CM_TIER
+#error "define CM_TIER (scalar, avx2, avx512) before including elementwise-impl.h"
+#endif
+
+#include "common/numeric.h"
+#include "common/ukernels.h"
+
+#define CM_CAT_(a, b) a##__##b
+#define CM_CAT(a, b) CM_CAT_(a, b)
+#define CM_TIERED(name) CM_CAT(name, CM_TIER)
+
+void CM_TIERED(cm_silu_mul)(size_t n, const float *restrict gate, const float *restrict up,
+                            float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_siluf(gate[i]) * up[i];
+}
+
+void CM_TIERED(cm_swiglu)(size_t n, const float *restrict gate, const float *restrict up,
+                          float alpha, float limit, float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_swiglu_clampf(gate[i], up[i], alpha, limit);
+}
+
+void CM_TIERED(cm_widen_bf16)(size_t n, const uint16_t *restrict src, float *restrict dst) {
+  for (size_t i = 0; i < n; i++) dst[i] = cm_bf16_to_f32(src[i]);
+}
+
+void CM_TIERED(cm_widen_f16)(size_t n, const uint16_t *restrict src, float *restrict dst) {
+  for (size_t i = 0; i < n; i++) dst[i] = cm_f16_to_f32(src[i]);
+}
+
+void CM_TIERED(cm_narrow_bf16)(size_t n, const float *restrict src, uint16_t *restrict dst) {
+  for (size_t i = 0; i < n; i++) dst[i] = cm_f32_to_bf16(src[i]);
+}
+
+void CM_TIERED(cm_narrow_f16)(size_t n, const float *restrict src, uint16_t *restrict dst) {
+  for (size_t i = 0; i < n; i++) dst[i] = cm_f32_to_f16(src[i]);
+}
+
+void CM_TIERED(cm_round_bf16)(size_t n, float *restrict v) {
+  for (size_t i = 0; i < n; i++) v[i] = cm_round_bf16(v[i]);
+}
+
+void CM_TIERED(cm_round_f16)(size_t n, float *restrict v) {
+  for (size_t i = 0; i < n; i++) v[i] = cm_round_f16(v[i]);
+}
+
+void CM_TIERED(cm_axpy)(size_t n, float a, const float *restrict x, float *restrict y) {
+  for (size_t i = 0; i < n; i++) y[i] = y[i] + a * x[i];
+}

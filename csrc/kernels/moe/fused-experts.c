@@ -1,0 +1,352 @@
+/*
+ * Fused MoE pipeline, ISA-agnostic: every kernel is reached through the active
+ * tier's cm_ukernels table. See DESIGN.md §1 for the math, docs/FORMATS.md for
+ * the packed weights, common/ukernels.h for the tile contract.
+ *
+ * SHAPES     x [M, K], w1 [E, 2N, K] packed, w2 [E, K, N] packed, ids/weights [M, topk]
+ * DEFINITION for m, j: e = ids[m, j] (skip -1)
+ *              h = W1[e] x[m] + b1[e]           fp32, one FMA chain per element
+ *              a = round16(act(h))              act = silu(gate)*up or clamped swiglu
+ *              y = (W2[e] a + b2[e]) * w[m, j]   fp32
+ *            out[m] = round16(sum_j y + residual_scale * residual[m])
+ * STAGES per chunk of at most CM_CHUNK_TOKENS tokens (bounds the workspace):
+ *   route   serial: validate ids, counting-sort the M*topk slots by expert (stable),
+ *           cut each expert's slots into panels of `mr` rows, panels into blocks.
+ *   pack    task per panel: gather + widen x rows into an fp32 A panel [K][mr].
+ *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1,
+ *           bias, activation, rounding, written as the A panel [N][mr] of gemm2.
+ *   gemm2   task per (block, 32 output columns): tile of W2, bias, topk weight,
+ *           written to y [slot, K] in the slots' original order.
+ *   reduce  task per group of tokens: sum the slots in order j = 0..topk-1.
+ * REGULARITIES each task is a fixed computation: outputs do not depend on the
+ *           number of threads or on which thread ran what.
+ * EXAMPLE   Qwen3-30B-A3B: E=128, topk=8, K=2048, N=768; decode M=1 reads 8 experts'
+ *           weights once (gemm1: 8 blocks x 24 tasks); prefill M=512 has ~32 slots
+ *           per expert, i.e. ~3 panels of 12 rows per block.
+ */
+#include <string.h>
+
+#include "common/error.h"
+#include "common/numeric.h"
+#include "common/parallel.h"
+#include "common/ukernels.h"
+
+#define CM_CHUNK_TOKENS 1024
+#define CM_PANELS_PER_BLOCK 4 /* up to 4 x 12 rows share one pass over a weight tile */
+#define CM_REDUCE_COLS 512    /* columns summed per step of the reduce stage */
+
+typedef struct cm_panel {
+  int32_t expert;
+  int32_t rows;
+  int64_t first; /* position of its first slot in the sorted slot list */
+} cm_panel;
+
+typedef struct cm_block {
+  int32_t first_panel;
+  int32_t panels;
+} cm_block;
+
+/* Workspace regions for one chunk; all sizes derive from the problem and mr only. */
+typedef struct cm_layout {
+  size_t offsets, sorted, weights, panels, blocks, a1, a2, y, total;
+  int64_t slots, max_panels;
+} cm_layout;
+
+static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
+
+static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
+  cm_layout l;
+  const int64_t chunk = p->M < CM_CHUNK_TOKENS ? p->M : CM_CHUNK_TOKENS;
+  l.slots = chunk * p->topk;
+  l.max_panels = (l.slots + (int64_t)mr - 1) / (int64_t)mr + (p->E < l.slots ? p->E : l.slots);
+  size_t at = 0;
+  l.offsets = at, at = align64(at + sizeof(int64_t) * (size_t)(p->E + 1));
+  l.sorted = at, at = align64(at + sizeof(int32_t) * (size_t)l.slots);
+  l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
+  l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
+  l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.max_panels * p->K) * mr);
+  l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.max_panels * p->N) * mr);
+  l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
+  l.total = at + 64; /* room to align the base pointer */
+  return l;
+}
+
+static cpumoe_status validate(const cpumoe_moe_problem *p) {
+  if (!p) return cm_fail(CPUMOE_EINVAL, "problem is NULL");
+  if (p->M < 0) return cm_fail(CPUMOE_EINVAL, "M must be >= 0, got %lld", (long long)p->M);
+  if (p->K <= 0 || p->N <= 0 || p->E <= 0 || p->topk <= 0)
+    return cm_fail(CPUMOE_EINVAL, "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
+                   (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk);
+  if (p->scheme != CPUMOE_SCHEME_UNQUANT)
+    return cm_fail(CPUMOE_EUNSUPPORTED, "moe_comp_method %d is not implemented in this build",
+                   (int)p->scheme);
+  if (p->act_dtype != CPUMOE_DTYPE_BF16 && p->act_dtype != CPUMOE_DTYPE_F16)
+    return cm_fail(CPUMOE_EINVAL, "activations must be bf16 or fp16");
+  if (p->K % 32 != 0)
+    return cm_fail(CPUMOE_EUNSUPPORTED,
+                   "hidden size K=%lld must be a multiple of 32 (pad the weights with zeros)",
+                   (long long)p->K);
+  if (p->N % 32 != 0)
+    return cm_fail(CPUMOE_EUNSUPPORTED,
+                   "intermediate size N=%lld must be a multiple of 32 (pad w1 rows and w2 "
+                   "columns with zeros)",
+                   (long long)p->N);
+  if (p->activation != CPUMOE_ACT_SILU_MUL && p->activation != CPUMOE_ACT_SWIGLU_CLAMP)
+    return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)p->activation);
+  if ((p->w1_bias == NULL) != (p->w2_bias == NULL))
+    return cm_fail(CPUMOE_EINVAL, "w1_bias and w2_bias must be given together");
+  if (p->topk_ids && p->topk_ids_dtype != CPUMOE_DTYPE_I32 && p->topk_ids_dtype != CPUMOE_DTYPE_I64)
+    return cm_fail(CPUMOE_EINVAL, "topk_ids must be int32 or int64");
+  if (p->topk_weights && p->topk_weights_dtype != CPUMOE_DTYPE_F32 &&
+      p->topk_weights_dtype != CPUMOE_DTYPE_F64 && p->topk_weights_dtype != CPUMOE_DTYPE_BF16 &&
+      p->topk_weights_dtype != CPUMOE_DTYPE_F16)
+    return cm_fail(CPUMOE_EINVAL, "topk_weights must be float32, float64, bfloat16 or float16");
+  if (p->M > 0 && (!p->x || !p->w1 || !p->w2 || !p->out))
+    return cm_fail(CPUMOE_EINVAL, "x, w1, w2 and out must not be NULL");
+  return CPUMOE_OK;
+}
+
+static int64_t slot_expert(const cpumoe_moe_problem *p, int64_t slot) {
+  if (!p->topk_ids) return 0;
+  return p->topk_ids_dtype == CPUMOE_DTYPE_I32 ? ((const int32_t *)p->topk_ids)[slot]
+                                               : ((const int64_t *)p->topk_ids)[slot];
+}
+
+static float slot_weight(const cpumoe_moe_problem *p, int64_t slot) {
+  if (!p->topk_weights) return 1.0f;
+  switch (p->topk_weights_dtype) {
+    case CPUMOE_DTYPE_F32: return ((const float *)p->topk_weights)[slot];
+    case CPUMOE_DTYPE_F64: return (float)((const double *)p->topk_weights)[slot];
+    case CPUMOE_DTYPE_BF16: return cm_bf16_to_f32(((const uint16_t *)p->topk_weights)[slot]);
+    default: return cm_f16_to_f32(((const uint16_t *)p->topk_weights)[slot]);
+  }
+}
+
+static cpumoe_status validate_ids(const cpumoe_moe_problem *p) {
+  const int64_t slots = p->M * p->topk;
+  for (int64_t s = 0; s < slots; s++) {
+    const int64_t e = slot_expert(p, s);
+    if (e != -1 && (e < 0 || e >= p->E))
+      return cm_fail(CPUMOE_EINVAL,
+                     "topk_ids[%lld, %lld] = %lld is outside [0, %lld) (only -1, meaning "
+                     "'skip this slot', may lie outside)",
+                     (long long)(s / p->topk), (long long)(s % p->topk), (long long)e,
+                     (long long)p->E);
+  }
+  return CPUMOE_OK;
+}
+
+size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
+  if (validate(p) != CPUMOE_OK) return 0;
+  return plan_layout(p, cm_active_ukernels()->mr).total;
+}
+
+/* Everything a task needs, for one chunk of tokens [m0, m0 + mc). */
+typedef struct cm_run {
+  const cpumoe_moe_problem *p;
+  const cm_ukernels *uk;
+  cm_gemm_f32acc_fn gemm;
+  cm_widen_fn widen;
+  cm_narrow_fn narrow;
+  cm_round_fn round16;
+  size_t mr;
+  int64_t m0, mc, n_blocks, n_tiles1, n_tiles2;
+  const int64_t *offsets; /* [E+1] first sorted position of each expert */
+  const int32_t *sorted;  /* chunk-local slot indices, grouped by expert */
+  const float *weights;   /* [mc * topk] topk weights as fp32 */
+  const cm_panel *panels;
+  const cm_block *blocks;
+  float *a1, *a2, *y;
+} cm_run;
+
+/* Counting sort of the chunk's slots by expert, then panels and blocks. */
+static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
+                        cm_panel *panels, cm_block *blocks) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t slots = r->mc * p->topk, base = r->m0 * p->topk;
+  memset(offsets, 0, sizeof(int64_t) * (size_t)(p->E + 1));
+  for (int64_t s = 0; s < slots; s++) {
+    const int64_t e = slot_expert(p, base + s);
+    weights[s] = slot_weight(p, base + s);
+    if (e >= 0) offsets[e + 1]++;
+  }
+  for (int64_t e = 0; e < p->E; e++) offsets[e + 1] += offsets[e];
+  /* offsets[e] is now the first position of expert e; fill with a moving cursor */
+  int64_t n_panels = 0, n_blocks = 0;
+  for (int64_t e = 0; e < p->E; e++) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    for (int64_t first = 0; first < count; first += (int64_t)r->mr) {
+      const int64_t rows = count - first < (int64_t)r->mr ? count - first : (int64_t)r->mr;
+      if (first % ((int64_t)r->mr * CM_PANELS_PER_BLOCK) == 0)
+        blocks[n_blocks++] = (cm_block){.first_panel = (int32_t)n_panels, .panels = 0};
+      blocks[n_blocks - 1].panels++;
+      panels[n_panels++] =
+          (cm_panel){.expert = (int32_t)e, .rows = (int32_t)rows, .first = offsets[e] + first};
+    }
+  }
+  /* stable scatter: slots in increasing index order within each expert */
+  for (int64_t s = 0; s < slots; s++) {
+    const int64_t e = slot_expert(p, base + s);
+    if (e >= 0) sorted[offsets[e]++] = (int32_t)s;
+  }
+  for (int64_t e = p->E; e > 0; e--) offsets[e] = offsets[e - 1];
+  offsets[0] = 0;
+  r->n_blocks = n_blocks;
+}
+
+static void pack_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const cm_panel *pn = &r->panels[t];
+  const int64_t K = p->K;
+  float *panel = r->a1 + (size_t)t * (size_t)K * r->mr;
+  float row[256];
+  for (int32_t i = 0; i < pn->rows; i++) {
+    const int64_t token = r->m0 + r->sorted[pn->first + i] / p->topk;
+    const uint16_t *x = (const uint16_t *)p->x + token * K;
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+      const int64_t n = K - k0 < 256 ? K - k0 : 256;
+      r->widen((size_t)n, x + k0, row);
+      for (int64_t k = 0; k < n; k++) panel[(size_t)(k0 + k) * r->mr + (size_t)i] = row[k];
+    }
+  }
+}
+
+static void gemm1_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K, N = p->N;
+  const cm_block *blk = &r->blocks[t / r->n_tiles1];
+  const int64_t tile = t % r->n_tiles1; /* intermediate columns [32 tile, 32 tile + 32) */
+  const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
+  float c0[CM_MR_MAX * CM_NR], c1[CM_MR_MAX * CM_NR];
+  float gate[CM_NR], up[CM_NR], act[CM_NR];
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const int64_t pi = blk->first_panel + q;
+    const cm_panel *pn = &r->panels[pi];
+    const uint16_t *w1 = (const uint16_t *)p->w1 + (size_t)pn->expert * (size_t)(2 * N * K);
+    /* silu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
+     * interleave gate/up. Either way two 32-row packed blocks. */
+    const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
+    const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
+    const float *a = r->a1 + (size_t)pi * (size_t)K * r->mr;
+    r->gemm((size_t)pn->rows, (size_t)K, a, r->mr, w1 + row0 * K, c0);
+    r->gemm((size_t)pn->rows, (size_t)K, a, r->mr, w1 + row1 * K, c1);
+    const float *bias = p->w1_bias ? p->w1_bias + (size_t)pn->expert * (size_t)(2 * N) : NULL;
+    float *out = r->a2 + (size_t)pi * (size_t)N * r->mr + (size_t)(32 * tile) * r->mr;
+    for (int32_t i = 0; i < pn->rows; i++) {
+      const float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
+      for (int j = 0; j < CM_NR; j++) {
+        if (swiglu) { /* column j of this tile: h rows 64 tile + 2j (gate), + 2j + 1 (up) */
+          const float *h = j < 16 ? h0 : h1;
+          const int jj = 2 * (j & 15);
+          gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
+          up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
+        } else {
+          gate[j] = h0[j] + (bias ? bias[row0 + j] : 0.0f);
+          up[j] = h1[j] + (bias ? bias[row1 + j] : 0.0f);
+        }
+      }
+      if (swiglu)
+        r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, act);
+      else
+        r->uk->silu_mul(CM_NR, gate, up, act);
+      r->round16(CM_NR, act);
+      for (int j = 0; j < CM_NR; j++) out[(size_t)j * r->mr + (size_t)i] = act[j];
+    }
+  }
+}
+
+static void gemm2_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K, N = p->N;
+  const cm_block *blk = &r->blocks[t / r->n_tiles2];
+  const int64_t tile = t % r->n_tiles2; /* output columns [32 tile, 32 tile + 32) */
+  float c[CM_MR_MAX * CM_NR];
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const int64_t pi = blk->first_panel + q;
+    const cm_panel *pn = &r->panels[pi];
+    const uint16_t *w2 = (const uint16_t *)p->w2 + (size_t)pn->expert * (size_t)(K * N);
+    r->gemm((size_t)pn->rows, (size_t)N, r->a2 + (size_t)pi * (size_t)N * r->mr, r->mr,
+            w2 + (size_t)(32 * tile) * (size_t)N, c);
+    const float *bias = p->w2_bias ? p->w2_bias + (size_t)pn->expert * (size_t)K + 32 * tile : NULL;
+    for (int32_t i = 0; i < pn->rows; i++) {
+      const int32_t slot = r->sorted[pn->first + i];
+      const float g = r->weights[slot];
+      float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
+      for (int j = 0; j < CM_NR; j++) y[j] = (c[i * CM_NR + j] + (bias ? bias[j] : 0.0f)) * g;
+    }
+  }
+}
+
+static void reduce_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K, m = r->m0 + t;
+  float acc[CM_REDUCE_COLS], res[CM_REDUCE_COLS];
+  for (int64_t k0 = 0; k0 < K; k0 += CM_REDUCE_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_REDUCE_COLS ? K - k0 : CM_REDUCE_COLS);
+    memset(acc, 0, n * sizeof(float));
+    for (int64_t j = 0; j < p->topk; j++) {
+      const int64_t slot = t * p->topk + j;
+      if (slot_expert(p, m * p->topk + j) < 0) continue;
+      r->uk->axpy(n, 1.0f, r->y + (size_t)slot * (size_t)K + (size_t)k0, acc);
+    }
+    if (p->residual) {
+      r->widen(n, (const uint16_t *)p->residual + m * K + k0, res);
+      r->uk->axpy(n, p->residual_scale, res, acc);
+    }
+    r->narrow(n, acc, (uint16_t *)p->out + m * K + k0);
+  }
+}
+
+cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
+                                   size_t workspace_bytes, const cpumoe_runner *runner) {
+  cpumoe_status st = validate(p);
+  if (st != CPUMOE_OK) return st;
+  if (p->M == 0) return CPUMOE_OK;
+  st = validate_ids(p);
+  if (st != CPUMOE_OK) return st;
+  const cm_ukernels *uk = cm_active_ukernels();
+  const cm_layout l = plan_layout(p, uk->mr);
+  if (!workspace || workspace_bytes < l.total)
+    return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
+                   l.total);
+  char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+  const int bf16 = p->act_dtype == CPUMOE_DTYPE_BF16;
+  cm_run r = {
+      .p = p,
+      .uk = uk,
+      .gemm = bf16 ? uk->gemm_bf16 : uk->gemm_f16,
+      .widen = bf16 ? uk->widen_bf16 : uk->widen_f16,
+      .narrow = bf16 ? uk->narrow_bf16 : uk->narrow_f16,
+      .round16 = bf16 ? uk->round_bf16 : uk->round_f16,
+      .mr = uk->mr,
+      .n_tiles1 = p->N / CM_NR,
+      .n_tiles2 = p->K / CM_NR,
+      .offsets = (const int64_t *)(ws + l.offsets),
+      .sorted = (const int32_t *)(ws + l.sorted),
+      .weights = (const float *)(ws + l.weights),
+      .panels = (const cm_panel *)(ws + l.panels),
+      .blocks = (const cm_block *)(ws + l.blocks),
+      .a1 = (float *)(ws + l.a1),
+      .a2 = (float *)(ws + l.a2),
+      .y = (float *)(ws + l.y),
+  };
+  for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
+    r.m0 = m0;
+    r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
+    route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
+                (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
+                (cm_block *)(ws + l.blocks));
+    int64_t n_panels = 0;
+    for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
+    cm_parallel_tasks(runner, n_panels, pack_task, &r);
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r);
+    cm_parallel_tasks(runner, r.mc, reduce_task, &r);
+  }
+  return CPUMOE_OK;
+}

@@ -1,0 +1,101 @@
+/*
+ * AVX2 + FMA + F16C GEMM micro-kernels for 16-bit (bf16 / fp16) weights.
+ *
+ * C[mr][32] = A_panel[k][a_stride] x B_tile[k/2][32][2], mr <= 4 (layouts:
+ * common/ukernels.h). The 32 columns are done as two passes of 16, each over
+ * the whole k, so each C element is still one sequential FMA chain from +0.
+ *
+ * Tile 4 x 16 and why: per k pair two 32-byte B loads (8 columns x 2 k each)
+ * widen to 4 ymm (even/odd k x two column groups); each row needs 2
+ * accumulators; AVX2 has no embedded broadcast, so 2 ymm hold broadcast A.
+ * 4 x 2 + 4 + 2 = 14 of 16 ymm registers; 16 FMAs per 4 widening ops.
+ *
+ * Widening: bf16 is a shift / mask of each dword; fp16 gathers the even and odd
+ * halves of each dword with one byte shuffle and a lane permute, then vcvtph2ps.
+ */
+#include <immintrin.h>
+
+#include "common/ukernels.h"
+
+#define MR 4
+
+typedef enum { W_BF16, W_F16 } weight_kind;
+
+static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, __m256i w,
+                                                              __m256 *even, __m256 *odd) {
+  if (kind == W_BF16) {
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+  } else {
+    /* per 128-bit lane: low 8 bytes <- even halves, high 8 bytes <- odd halves */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), 0xd8);
+    *even = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
+    *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
+  }
+}
+
+/* 16 columns starting at column `col0` of the 32-wide tile. */
+static inline __attribute__((always_inline)) void gemm_half(const int mr, weight_kind kind,
+                                                             size_t k, const float *restrict a,
+                                                             size_t as,
+                                                             const uint16_t *restrict b,
+                                                             float *restrict c, int col0) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = _mm256_setzero_ps();
+    acc1[r] = _mm256_setzero_ps();
+  }
+  for (size_t kp = 0; kp < k / 2; kp++) {
+    const uint16_t *bk = b + kp * 64 + col0 * 2;
+    __m256 e0, o0, e1, o1;
+    widen_pair(kind, _mm256_loadu_si256((const __m256i *)bk), &e0, &o0);
+    widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16)), &e1, &o1);
+    const float *ae = a + 2 * kp * as;
+    const float *ao = ae + as;
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256 x0 = _mm256_broadcast_ss(ae + r);
+      acc0[r] = _mm256_fmadd_ps(x0, e0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x0, e1, acc1[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256 x1 = _mm256_broadcast_ss(ao + r);
+      acc0[r] = _mm256_fmadd_ps(x1, o0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x1, o1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
+    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
+  }
+}
+
+static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
+                                                             size_t k, const float *a, size_t as,
+                                                             const uint16_t *b, float *c) {
+  gemm_half(mr, kind, k, a, as, b, c, 0);
+  gemm_half(mr, kind, k, a, as, b, c, 16);
+}
+
+#define CM_GEMM_CASES(kind)                             \
+  switch (mr) {                                         \
+    case 1: gemm_body(1, kind, k, a, as, b, c); break;  \
+    case 2: gemm_body(2, kind, k, a, as, b, c); break;  \
+    case 3: gemm_body(3, kind, k, a, as, b, c); break;  \
+    default: gemm_body(4, kind, k, a, as, b, c); break; \
+  }
+
+void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
+                                     const uint16_t *b, float *c) {
+  CM_GEMM_CASES(W_BF16)
+}
+
+void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
+                                    const uint16_t *b, float *c) {
+  CM_GEMM_CASES(W_F16)
+}

@@ -1,0 +1,105 @@
+/*
+ * AVX-512 GEMM micro-kernels for 16-bit (bf16 / fp16) weights, fp32 FMA.
+ *
+ * C[mr][32] = A_panel[k][a_stride] x B_tile[k/2][32][2], mr <= 12.
+ *   A panel: fp32, one strip of a_stride floats per k (token rows interleaved).
+ *   B tile:  VNNI-2, 128 bytes per k pair: columns 0..15 in bytes 0..63, 16..31 in
+ *            64..127, each dword holding (k even, k odd) of one column.
+ *   C tile:  fp32 [mr][32].
+ *
+ * Tile 12 x 32 and why: per k pair the two 64-byte B loads widen to 4 fp32
+ * vectors (even/odd k x two column halves); each row needs 2 accumulators.
+ * 12 rows x 2 + 4 B vectors + 1 mask = 29 of 32 zmm registers. Per k pair that is
+ * 48 FMAs (A broadcast from memory, folded into the FMA) against 4 widening ops,
+ * so at most ~8% of the FMA ports go to conversion; 24 independent accumulators
+ * cover the 4-cycle FMA latency on two ports.
+ *
+ * Widening: bf16 -> fp32 is a shift (even k) or a mask (odd k) of each dword.
+ * fp16 -> fp32 narrows each half of the dwords with vpmovdw, then vcvtph2ps.
+ * Both are exact. Every C element is one sequential FMA chain over k, starting
+ * from +0: the same bits as the scalar tier.
+ */
+#include <immintrin.h>
+
+#include "common/ukernels.h"
+
+#define MR 12
+
+typedef enum { W_BF16, W_F16 } weight_kind;
+
+static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, __m512i w,
+                                                              __m512 *even, __m512 *odd) {
+  if (kind == W_BF16) {
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+  } else {
+    *even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    *odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+  }
+}
+
+static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
+                                                             size_t k, const float *restrict a,
+                                                             size_t as,
+                                                             const uint16_t *restrict b,
+                                                             float *restrict c) {
+  __m512 acc0[MR], acc1[MR];
+#pragma GCC unroll 12
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  for (size_t kp = 0; kp < k / 2; kp++) {
+    const uint16_t *bk = b + kp * 64;
+    __m512 e0, o0, e1, o1;
+    widen_pair(kind, _mm512_loadu_si512(bk), &e0, &o0);
+    widen_pair(kind, _mm512_loadu_si512(bk + 32), &e1, &o1);
+    const float *ae = a + 2 * kp * as;
+    const float *ao = ae + as;
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) {
+      const __m512 x0 = _mm512_set1_ps(ae[r]);
+      acc0[r] = _mm512_fmadd_ps(x0, e0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(x0, e1, acc1[r]);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) {
+      const __m512 x1 = _mm512_set1_ps(ao[r]);
+      acc0[r] = _mm512_fmadd_ps(x1, o0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(x1, o1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < mr; r++) {
+    _mm512_storeu_ps(c + r * CM_NR, acc0[r]);
+    _mm512_storeu_ps(c + r * CM_NR + 16, acc1[r]);
+  }
+}
+
+/* One specialization per row count so that every loop above unrolls and the
+ * accumulators live in registers. */
+#define CM_GEMM_CASES(kind)                                                  \
+  switch (mr) {                                                              \
+    case 1: gemm_body(1, kind, k, a, as, b, c); break;                       \
+    case 2: gemm_body(2, kind, k, a, as, b, c); break;                       \
+    case 3: gemm_body(3, kind, k, a, as, b, c); break;                       \
+    case 4: gemm_body(4, kind, k, a, as, b, c); break;                       \
+    case 5: gemm_body(5, kind, k, a, as, b, c); break;                       \
+    case 6: gemm_body(6, kind, k, a, as, b, c); break;                       \
+    case 7: gemm_body(7, kind, k, a, as, b, c); break;                       \
+    case 8: gemm_body(8, kind, k, a, as, b, c); break;                       \
+    case 9: gemm_body(9, kind, k, a, as, b, c); break;                       \
+    case 10: gemm_body(10, kind, k, a, as, b, c); break;                     \
+    case 11: gemm_body(11, kind, k, a, as, b, c); break;                     \
+    default: gemm_body(12, kind, k, a, as, b, c); break;                     \
+  }
+
+void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
+                                       const uint16_t *b, float *c) {
+  CM_GEMM_CASES(W_BF16)
+}
+
+void cm_f16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
+                                      const uint16_t *b, float *c) {
+  CM_GEMM_CASES(W_F16)
+}
