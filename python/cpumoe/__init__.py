@@ -1,1 +1,71 @@
-from . import _C  # noqa: F401  (loads the ops into torch.ops.cpumoe)
+"""cpumoe: fused Mixture-of-Experts operators for x86 CPUs.
+
+Importing the package registers the ops under ``torch.ops.cpumoe``:
+
+* ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
+  17-argument schema: biases, GPT-OSS ``alpha``/``limit``),
+* ``shared_expert_cpu``,
+* ``convert_weight_packed``,
+
+and typed wrappers with the same names in lower case live here
+(:func:`fused_experts`, :func:`shared_expert`, :func:`convert_weight_packed`).
+The kernels pick the best ISA tier of the CPU once at import; ``CPUMOE_ISA``
+caps it, :func:`isa` says which tier runs.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.cpumoe.*)
+from . import _fake  # noqa: F401  (meta kernels for torch.compile)
+from .ops import (
+    MoeCompMethod,
+    convert_weight_packed,
+    fused_experts,
+    shared_expert,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoeCompMethod",
+    "best_isa",
+    "built_isas",
+    "convert_weight_packed",
+    "cpu_features",
+    "fused_experts",
+    "isa",
+    "isa_reason",
+    "set_isa",
+    "shared_expert",
+]
+
+
+def isa() -> str:
+    """Name of the ISA tier the ops run on: 'scalar', 'avx2' or 'avx512'."""
+    return _C.active_isa()
+
+
+def best_isa() -> str:
+    """Best tier this CPU (and this build) supports, ignoring any cap."""
+    return _C.best_isa()
+
+
+def set_isa(name: str) -> None:
+    """Caps the active tier at ``name`` (for tests and bug reports); a tier above
+    :func:`best_isa` falls back to the best one. Same effect as ``CPUMOE_ISA``."""
+    _C.set_isa(name)
+
+
+def isa_reason() -> str:
+    """Why the active tier was chosen, e.g. 'avx2 (capped by CPUMOE_ISA=avx2; ...)'."""
+    return _C.isa_reason()
+
+
+def cpu_features() -> list:
+    """CPU features found by cpuid/xgetbv that matter to cpumoe."""
+    return _C.cpu_features().split()
+
+
+def built_isas() -> list:
+    """Tiers compiled into this build, worst first."""
+    return list(_C.built_isas())

@@ -1,0 +1,35 @@
+"""Meta ("fake") kernels so the ops trace under torch.compile and torch.library.opcheck.
+
+Like SGLang's, the schemas carry no alias annotation: with ``inplace=True`` the real
+op writes into ``hidden_states`` and returns it, while tracing sees a fresh tensor.
+"""
+
+import torch
+
+
+@torch.library.register_fake("cpumoe::fused_experts_cpu")
+def _fused_experts_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                        moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
+                        is_vnni):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::fused_experts_cpu.bias")
+def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                             moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
+                             w1_bias, w2_bias, alpha, limit, is_vnni):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::shared_expert_cpu")
+def _shared_expert_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                        inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size,
+                        is_vnni):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::convert_weight_packed")
+def _convert_weight_packed_fake(weight):
+    if weight.dim() == 2 and weight.shape[0] < 16:
+        return weight.new_empty((weight.shape[1], weight.shape[0]), dtype=torch.float32)
+    return torch.empty_like(weight, memory_format=torch.contiguous_format)

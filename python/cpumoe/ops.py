@@ -1,0 +1,113 @@
+"""Typed Python wrappers of the torch.ops.cpumoe operators."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+
+
+class MoeCompMethod(enum.IntEnum):
+    """Values of ``moe_comp_method`` (SGLang's ``CPUQuantMethod``)."""
+
+    UNQUANT = 0  # bf16/fp16 weights in the activation dtype
+    INT8_W8A8 = 1
+    FP8_W8A16 = 2
+    INT4_W4A8 = 3
+
+
+def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
+    """Packs expert weights ``[E, OC, IC]`` (or one matrix ``[OC, IC]``) into the
+    VNNI layout the kernels read (docs/FORMATS.md); byte-identical to SGLang's
+    ``convert_weight_packed``, so weights packed by either run on both.
+
+    bf16/fp16: same shape and dtype, rows in blocks of 32, each ``[IC/2][32][2]``.
+    Requires ``OC % 16 == 0`` and ``IC % 32 == 0``. A 2-D weight with ``OC < 16``
+    returns ``weight.float().t().contiguous()`` as SGLang does.
+    """
+    return torch.ops.cpumoe.convert_weight_packed(weight)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    inplace: bool = False,
+    moe_comp_method: int = MoeCompMethod.UNQUANT,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    w1_zero: Optional[torch.Tensor] = None,
+    w2_zero: Optional[torch.Tensor] = None,
+    block_size: Optional[Sequence[int]] = None,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+    is_vnni: bool = True,
+) -> torch.Tensor:
+    """Mixture-of-Experts layer: for every token m and slot j with expert
+    e = topk_ids[m, j] (``-1`` skips the slot),
+    ``out[m] += topk_weights[m, j] * (w2[e] @ act(w1[e] @ x[m] + b1[e]) + b2[e])``.
+
+    Args:
+        hidden_states: ``[M, K]`` bfloat16 or float16, contiguous.
+        w1: ``[E, 2N, K]`` gate rows then up rows (interleaved gate/up when
+            ``alpha``/``limit`` are given), in the dtype of ``hidden_states``.
+        w2: ``[E, K, N]``.
+        topk_weights: ``[M, topk]``, any float dtype.
+        topk_ids: ``[M, topk]``, int32 or int64, values in ``[0, E)`` or ``-1``.
+        inplace: write the result into ``hidden_states`` and return it.
+        moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
+        w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
+        alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
+        is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
+            False packs them on every call (slow, for convenience).
+
+    Returns:
+        ``[M, K]`` in the dtype of ``hidden_states``. Accumulation is float32 with
+        one rounding at the end; results do not depend on the thread count.
+    """
+    block = list(block_size) if block_size is not None else None
+    op = torch.ops.cpumoe.fused_experts_cpu
+    if w1_bias is None and w2_bias is None and alpha is None and limit is None:
+        return op.default(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                          int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
+                          is_vnni)
+    return op.bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace, int(moe_comp_method),
+                   w1_scale, w2_scale, w1_zero, w2_zero, block, w1_bias, w2_bias, alpha, limit,
+                   is_vnni)
+
+
+def shared_expert(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    fused_experts_out: Optional[torch.Tensor] = None,
+    routed_scaling_factor: Optional[float] = None,
+    *,
+    inplace: bool = False,
+    use_int8_w8a8: bool = False,
+    use_fp8_w8a16: bool = False,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_size: Optional[Sequence[int]] = None,
+    is_vnni: bool = True,
+) -> torch.Tensor:
+    """Dense shared expert (DeepSeek style):
+    ``out = w2 @ (silu(gate) * up) + routed_scaling_factor * fused_experts_out``,
+    with ``[gate; up] = w1 @ x``; float32 inside, one rounding.
+
+    Args:
+        hidden_states: ``[M, K]`` bfloat16 or float16.
+        w1: ``[2N, K]``; w2: ``[K, N]`` (packed unless ``is_vnni=False``).
+        fused_experts_out: ``[M, K]`` routed output to fold in, with
+            ``routed_scaling_factor`` (both or neither).
+    """
+    block = list(block_size) if block_size is not None else None
+    return torch.ops.cpumoe.shared_expert_cpu(hidden_states, w1, w2, fused_experts_out,
+                                              routed_scaling_factor, inplace, use_int8_w8a8,
+                                              use_fp8_w8a16, w1_scale, w2_scale, block, is_vnni)
