@@ -8,8 +8,9 @@
  * dispatch/config.c. Adding a scheme: new micro-kernel kinds here plus a packer.
  *
  * Shared operand layouts
- *   A panel  fp32 [k][mr_max]: up to mr_max token rows interleaved, so that the
- *            micro-kernel reads one contiguous strip per k (rows >= mr unused).
+ *   A panel  fp32 [k][a_stride]: mr <= a_stride token rows interleaved, so that the
+ *            micro-kernel reads one contiguous strip of rows per k (the pipeline
+ *            stores panels densely: a_stride = mr).
  *   B tile   VNNI-2 16-bit [k/2][32][2]: one 32-column block of a packed weight
  *            (docs/FORMATS.md), i.e. 32 output channels over the whole reduction.
  *   C tile   fp32 [mr][32], row stride 32.

@@ -34,6 +34,7 @@
 #define CM_CHUNK_TOKENS 1024
 #define CM_PANELS_PER_BLOCK 4 /* up to 4 x 12 rows share one pass over a weight tile */
 #define CM_REDUCE_COLS 512    /* columns summed per step of the reduce stage */
+#define CM_PACK_COLS 64       /* columns widened per step when packing A panels */
 
 typedef struct cm_panel {
   int32_t expert;
@@ -65,8 +66,8 @@ static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
   l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
-  l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.max_panels * p->K) * mr);
-  l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.max_panels * p->N) * mr);
+  l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
+  l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
   l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
   l.total = at + 64; /* room to align the base pointer */
   return l;
@@ -200,16 +201,20 @@ static void pack_task(void *ctx, int64_t t) {
   const cpumoe_moe_problem *p = r->p;
   const cm_panel *pn = &r->panels[t];
   const int64_t K = p->K;
-  float *panel = r->a1 + (size_t)t * (size_t)K * r->mr;
-  float row[256];
-  for (int32_t i = 0; i < pn->rows; i++) {
-    const int64_t token = r->m0 + r->sorted[pn->first + i] / p->topk;
-    const uint16_t *x = (const uint16_t *)p->x + token * K;
-    for (int64_t k0 = 0; k0 < K; k0 += 256) {
-      const int64_t n = K - k0 < 256 ? K - k0 : 256;
-      r->widen((size_t)n, x + k0, row);
-      for (int64_t k = 0; k < n; k++) panel[(size_t)(k0 + k) * r->mr + (size_t)i] = row[k];
+  const size_t rows = (size_t)pn->rows;
+  float *panel = r->a1 + (size_t)pn->first * (size_t)K;
+  /* widen CM_PACK_COLS columns of every row into `strip` (vectorized), then
+   * write them interleaved: contiguous stores, reads from L1 */
+  float strip[CM_MR_MAX][CM_PACK_COLS];
+  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
+    const int64_t n = K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS;
+    for (size_t i = 0; i < rows; i++) {
+      const int64_t token = r->m0 + r->sorted[pn->first + (int64_t)i] / p->topk;
+      r->widen((size_t)n, (const uint16_t *)p->x + token * K + k0, strip[i]);
     }
+    float *dst = panel + (size_t)k0 * rows;
+    for (int64_t k = 0; k < n; k++)
+      for (size_t i = 0; i < rows; i++) dst[(size_t)k * rows + i] = strip[i][k];
   }
 }
 
@@ -230,11 +235,12 @@ static void gemm1_task(void *ctx, int64_t t) {
      * interleave gate/up. Either way two 32-row packed blocks. */
     const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
     const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
-    const float *a = r->a1 + (size_t)pi * (size_t)K * r->mr;
-    r->gemm((size_t)pn->rows, (size_t)K, a, r->mr, w1 + row0 * K, c0);
-    r->gemm((size_t)pn->rows, (size_t)K, a, r->mr, w1 + row1 * K, c1);
+    const size_t rows = (size_t)pn->rows;
+    const float *a = r->a1 + (size_t)pn->first * (size_t)K;
+    r->gemm(rows, (size_t)K, a, rows, w1 + row0 * K, c0);
+    r->gemm(rows, (size_t)K, a, rows, w1 + row1 * K, c1);
     const float *bias = p->w1_bias ? p->w1_bias + (size_t)pn->expert * (size_t)(2 * N) : NULL;
-    float *out = r->a2 + (size_t)pi * (size_t)N * r->mr + (size_t)(32 * tile) * r->mr;
+    float *out = r->a2 + (size_t)pn->first * (size_t)N + (size_t)(32 * tile) * rows;
     for (int32_t i = 0; i < pn->rows; i++) {
       const float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
       for (int j = 0; j < CM_NR; j++) {
@@ -253,7 +259,7 @@ static void gemm1_task(void *ctx, int64_t t) {
       else
         r->uk->silu_mul(CM_NR, gate, up, act);
       r->round16(CM_NR, act);
-      for (int j = 0; j < CM_NR; j++) out[(size_t)j * r->mr + (size_t)i] = act[j];
+      for (int j = 0; j < CM_NR; j++) out[(size_t)j * rows + (size_t)i] = act[j];
     }
   }
 }
@@ -269,7 +275,7 @@ static void gemm2_task(void *ctx, int64_t t) {
     const int64_t pi = blk->first_panel + q;
     const cm_panel *pn = &r->panels[pi];
     const uint16_t *w2 = (const uint16_t *)p->w2 + (size_t)pn->expert * (size_t)(K * N);
-    r->gemm((size_t)pn->rows, (size_t)N, r->a2 + (size_t)pi * (size_t)N * r->mr, r->mr,
+    r->gemm((size_t)pn->rows, (size_t)N, r->a2 + (size_t)pn->first * (size_t)N, (size_t)pn->rows,
             w2 + (size_t)(32 * tile) * (size_t)N, c);
     const float *bias = p->w2_bias ? p->w2_bias + (size_t)pn->expert * (size_t)K + 32 * tile : NULL;
     for (int32_t i = 0; i < pn->rows; i++) {

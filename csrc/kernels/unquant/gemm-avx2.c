@@ -18,6 +18,7 @@
 #include "common/ukernels.h"
 
 #define MR 4
+#define CM_PREFETCH_KPAIRS 32
 
 typedef enum { W_BF16, W_F16 } weight_kind;
 
@@ -50,6 +51,8 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
   }
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64 + col0 * 2;
+    /* software prefetch for the DRAM stream of decode (see gemm-avx512.c) */
+    _mm_prefetch((const char *)(bk + CM_PREFETCH_KPAIRS * 64), _MM_HINT_T0);
     __m256 e0, o0, e1, o1;
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)bk), &e0, &o0);
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16)), &e1, &o1);
