@@ -15,7 +15,6 @@ compile .c as C++, so the objects are built before it and linked in.
 
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -15,8 +15,10 @@ caps it, :func:`isa` says which tier runs.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401  (registers torch.ops.cpumoe.*)
-from . import _fake  # noqa: F401  (meta kernels for torch.compile)
+from . import (
+    _C,  # noqa: F401  (registers torch.ops.cpumoe.*)
+    _fake,  # noqa: F401  (meta kernels for torch.compile)
+)
 from .ops import (
     MoeCompMethod,
     convert_weight_packed,
