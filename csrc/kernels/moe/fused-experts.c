@@ -45,7 +45,22 @@ typedef struct cm_panel {
 typedef struct cm_block {
   int32_t first_panel;
   int32_t panels;
+  int32_t expert_first_block; /* the blocks of one expert are consecutive */
+  int32_t expert_blocks;
 } cm_block;
+
+/* Task t of a gemm stage with `tiles` column tiles per block -> (block, tile).
+ * Tasks are numbered expert by expert and, within an expert, tile-major: the blocks
+ * of one expert that need the same weight tile run back to back, so the tile is
+ * read from memory once and then hit in cache (e.g. Mixtral prefill, 3 blocks per
+ * expert). The first task of an expert is expert_first_block * tiles. */
+static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t tiles,
+                                  int64_t *tile) {
+  const cm_block *any = &blocks[t / tiles];
+  const int64_t local = t - (int64_t)any->expert_first_block * tiles;
+  *tile = local / any->expert_blocks;
+  return &blocks[any->expert_first_block + local % any->expert_blocks];
+}
 
 /* Workspace regions for one chunk; all sizes derive from the problem and mr only. */
 typedef struct cm_layout {
@@ -177,13 +192,18 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
   int64_t n_panels = 0, n_blocks = 0;
   for (int64_t e = 0; e < p->E; e++) {
     const int64_t count = offsets[e + 1] - offsets[e];
+    const int64_t expert_first_block = n_blocks;
     for (int64_t first = 0; first < count; first += (int64_t)r->mr) {
       const int64_t rows = count - first < (int64_t)r->mr ? count - first : (int64_t)r->mr;
       if (first % ((int64_t)r->mr * CM_PANELS_PER_BLOCK) == 0)
-        blocks[n_blocks++] = (cm_block){.first_panel = (int32_t)n_panels, .panels = 0};
+        blocks[n_blocks++] = (cm_block){.first_panel = (int32_t)n_panels};
       blocks[n_blocks - 1].panels++;
       panels[n_panels++] =
           (cm_panel){.expert = (int32_t)e, .rows = (int32_t)rows, .first = offsets[e] + first};
+    }
+    for (int64_t b = expert_first_block; b < n_blocks; b++) {
+      blocks[b].expert_first_block = (int32_t)expert_first_block;
+      blocks[b].expert_blocks = (int32_t)(n_blocks - expert_first_block);
     }
   }
   /* stable scatter: slots in increasing index order within each expert */
@@ -222,8 +242,8 @@ static void gemm1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
   const int64_t K = p->K, N = p->N;
-  const cm_block *blk = &r->blocks[t / r->n_tiles1];
-  const int64_t tile = t % r->n_tiles1; /* intermediate columns [32 tile, 32 tile + 32) */
+  int64_t tile; /* intermediate columns [32 tile, 32 tile + 32) */
+  const cm_block *blk = task_block(r->blocks, t, r->n_tiles1, &tile);
   const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
   float c0[CM_MR_MAX * CM_NR], c1[CM_MR_MAX * CM_NR];
   float gate[CM_NR], up[CM_NR], act[CM_NR];
@@ -268,8 +288,8 @@ static void gemm2_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
   const int64_t K = p->K, N = p->N;
-  const cm_block *blk = &r->blocks[t / r->n_tiles2];
-  const int64_t tile = t % r->n_tiles2; /* output columns [32 tile, 32 tile + 32) */
+  int64_t tile; /* output columns [32 tile, 32 tile + 32) */
+  const cm_block *blk = task_block(r->blocks, t, r->n_tiles2, &tile);
   float c[CM_MR_MAX * CM_NR];
   for (int32_t q = 0; q < blk->panels; q++) {
     const int64_t pi = blk->first_panel + q;
