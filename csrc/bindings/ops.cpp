@@ -14,7 +14,7 @@
 
 namespace {
 
-void run_on_aten_threads(void* /*ctx*/, int64_t n, cpumoe_worker_fn worker, void* arg) {
+void run_on_aten_threads(void * /*ctx*/, int64_t n, cpumoe_worker_fn worker, void *arg) {
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) worker(arg, w);
   });
@@ -24,33 +24,36 @@ cpumoe_runner aten_runner() {
   return cpumoe_runner{run_on_aten_threads, nullptr, static_cast<int64_t>(at::get_num_threads())};
 }
 
-void check_status(cpumoe_status st, const char* op) {
+void check_status(cpumoe_status st, const char *op) {
   TORCH_CHECK(st == CPUMOE_OK, op, ": ", cpumoe_last_error());
 }
 
-const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+const char *dtype_name(at::ScalarType t) {
+  return c10::toString(t);
+}
 
-void check_cpu_tensor(const at::Tensor& t, const char* name, const char* op) {
+void check_cpu_tensor(const at::Tensor &t, const char *name, const char *op) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
+              t.device());
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor");
 }
 
-void check_dense(const at::Tensor& t, const char* name, const char* op, int64_t ndim) {
+void check_dense(const at::Tensor &t, const char *name, const char *op, int64_t ndim) {
   check_cpu_tensor(t, name, op);
   TORCH_CHECK(t.dim() == ndim, op, ": ", name, " must be a ", ndim, "-D tensor, got shape ",
               t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-cpumoe_dtype act_dtype(const at::Tensor& hidden, const char* op) {
+cpumoe_dtype act_dtype(const at::Tensor &hidden, const char *op) {
   const auto t = hidden.scalar_type();
   TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf, op,
               ": hidden_states must be bfloat16 or float16, got ", dtype_name(t));
   return t == at::kBFloat16 ? CPUMOE_DTYPE_BF16 : CPUMOE_DTYPE_F16;
 }
 
-const char* scheme_name(int64_t m) {
+const char *scheme_name(int64_t m) {
   switch (m) {
     case 1: return "1 (INT8 W8A8)";
     case 2: return "2 (FP8 W8A16)";
@@ -59,7 +62,7 @@ const char* scheme_name(int64_t m) {
   }
 }
 
-void check_scheme(int64_t moe_comp_method, const char* op) {
+void check_scheme(int64_t moe_comp_method, const char *op) {
   TORCH_CHECK(moe_comp_method >= 0 && moe_comp_method <= 3, op,
               ": moe_comp_method must be 0 (bf16/fp16), 1 (int8 w8a8), 2 (fp8 w8a16) or 3 "
               "(int4 w4a8), got ",
@@ -68,29 +71,29 @@ void check_scheme(int64_t moe_comp_method, const char* op) {
               " is not implemented in this version of cpumoe; only 0 (bf16/fp16 weights) is");
 }
 
-void check_unused(const std::optional<at::Tensor>& t, const char* name, const char* op) {
+void check_unused(const std::optional<at::Tensor> &t, const char *name, const char *op) {
   TORCH_CHECK(!t.has_value(), op, ": ", name,
               " must be None for moe_comp_method 0 (bf16/fp16 weights carry no scales or zeros)");
 }
 
 // Packs [..., OC, IC] 16-bit weights to VNNI-2 (docs/FORMATS.md).
-at::Tensor pack_16bit(const at::Tensor& weight, const char* op) {
+at::Tensor pack_16bit(const at::Tensor &weight, const char *op) {
   const int64_t oc = weight.size(-2), ic = weight.size(-1);
   const int64_t experts = weight.dim() == 3 ? weight.size(0) : 1;
   at::Tensor packed = at::empty_like(weight, at::MemoryFormat::Contiguous);
   const cpumoe_runner runner = aten_runner();
-  check_status(cpumoe_pack_vnni2_16bit(static_cast<const uint16_t*>(weight.data_ptr()),
-                                       static_cast<uint16_t*>(packed.data_ptr()), experts, oc, ic,
-                                       &runner),
-               op);
+  check_status(
+      cpumoe_pack_vnni2_16bit(static_cast<const uint16_t *>(weight.data_ptr()),
+                              static_cast<uint16_t *>(packed.data_ptr()), experts, oc, ic, &runner),
+      op);
   return packed;
 }
 
-at::Tensor convert_weight_packed(const at::Tensor& weight) {
-  const char* op = "convert_weight_packed";
+at::Tensor convert_weight_packed(const at::Tensor &weight) {
+  const char *op = "convert_weight_packed";
   check_cpu_tensor(weight, "weight", op);
-  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, op,
-              ": expect weight to be 2d or 3d, got ", weight.dim(), "d tensor.");
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3, op, ": expect weight to be 2d or 3d, got ",
+              weight.dim(), "d tensor.");
   TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous");
   const auto t = weight.scalar_type();
   if (weight.dim() == 2 && weight.size(0) < 16 &&
@@ -99,10 +102,11 @@ at::Tensor convert_weight_packed(const at::Tensor& weight) {
     // SGLang's small-OC case: fp32 [IC, OC] for its FMA linear path.
     return weight.to(at::kFloat).t().contiguous();
   }
-  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kChar || t == at::kFloat8_e4m3fn ||
-                  t == at::kByte,
-              op, ": expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4), got ",
-              dtype_name(t));
+  TORCH_CHECK(
+      t == at::kBFloat16 || t == at::kHalf || t == at::kChar || t == at::kFloat8_e4m3fn ||
+          t == at::kByte,
+      op, ": expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4), got ",
+      dtype_name(t));
   TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf, op, ": packing ", dtype_name(t),
               " weights is not implemented in this version of cpumoe; bfloat16 and float16 are");
   TORCH_CHECK(weight.size(-2) % 16 == 0, op, ": invalid weight out features ", weight.size(-2),
@@ -123,55 +127,53 @@ struct MoeRun {
 // 512-token Qwen3 layer. release_workspace() returns it to torch's allocator.
 thread_local at::Tensor cached_workspace;
 
-void* workspace_for(size_t bytes) {
+void *workspace_for(size_t bytes) {
   if (!cached_workspace.defined() || cached_workspace.nbytes() < bytes)
-    cached_workspace = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+    cached_workspace =
+        at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
   return cached_workspace.data_ptr();
 }
 
-void run_problem(cpumoe_moe_problem& p, const char* op) {
+void run_problem(cpumoe_moe_problem &p, const char *op) {
   if (p.M == 0) return;
   const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
   TORCH_CHECK(bytes > 0, op, ": ", cpumoe_last_error());
-  void* workspace = workspace_for(bytes);
+  void *workspace = workspace_for(bytes);
   const cpumoe_runner runner = aten_runner();
   check_status(cpumoe_fused_experts(&p, workspace, bytes, &runner), op);
 }
 
 // Validates a 16-bit weight against its dtype and logical shape; packs it if needed.
-at::Tensor prepare_weight(const at::Tensor& w, const char* name, const char* op,
+at::Tensor prepare_weight(const at::Tensor &w, const char *name, const char *op,
                           at::ScalarType dtype, std::vector<int64_t> shape, bool is_vnni) {
   check_cpu_tensor(w, name, op);
   TORCH_CHECK(w.dim() == static_cast<int64_t>(shape.size()), op, ": ", name, " must be a ",
               shape.size(), "-D tensor ", c10::IntArrayRef(shape), ", got shape ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == dtype, op, ": ", name,
-              " must have the dtype of hidden_states (", dtype_name(dtype),
-              ") for moe_comp_method 0, got ", dtype_name(w.scalar_type()));
+  TORCH_CHECK(w.scalar_type() == dtype, op, ": ", name, " must have the dtype of hidden_states (",
+              dtype_name(dtype), ") for moe_comp_method 0, got ", dtype_name(w.scalar_type()));
   TORCH_CHECK(w.sizes() == c10::IntArrayRef(shape), op, ": ", name, " must have shape ",
               c10::IntArrayRef(shape), ", got ", w.sizes());
   TORCH_CHECK(w.is_contiguous(), op, ": ", name, " must be contiguous");
   return is_vnni ? w : pack_16bit(w, op);
 }
 
-void check_mlp_sizes(int64_t K, int64_t N, const char* op) {
+void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
   TORCH_CHECK(K % 32 == 0, op, ": hidden size K=", K,
               " must be a multiple of 32 (pad hidden_states, w1 and w2 with zeros)");
-  TORCH_CHECK(N % 32 == 0, op, ": intermediate size N=", N,
-              " (w1.size(-2) / 2) must be a multiple of 32 (pad w1 rows and w2 columns with zeros)");
+  TORCH_CHECK(
+      N % 32 == 0, op, ": intermediate size N=", N,
+      " (w1.size(-2) / 2) must be a multiple of 32 (pad w1 rows and w2 columns with zeros)");
 }
 
-at::Tensor fused_experts_impl(const at::Tensor& hidden_states, const at::Tensor& w1,
-                              const at::Tensor& w2, const at::Tensor& topk_weights,
-                              const at::Tensor& topk_ids, bool inplace, int64_t moe_comp_method,
-                              const std::optional<at::Tensor>& w1_scale,
-                              const std::optional<at::Tensor>& w2_scale,
-                              const std::optional<at::Tensor>& w1_zero,
-                              const std::optional<at::Tensor>& w2_zero,
-                              at::OptionalIntArrayRef block_size,
-                              const std::optional<at::Tensor>& w1_bias,
-                              const std::optional<at::Tensor>& w2_bias, std::optional<double> alpha,
-                              std::optional<double> limit, bool is_vnni) {
-  const char* op = "fused_experts_cpu";
+at::Tensor fused_experts_impl(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+  const char *op = "fused_experts_cpu";
   check_scheme(moe_comp_method, op);
   check_dense(hidden_states, "hidden_states", op, 2);
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
@@ -187,7 +189,8 @@ at::Tensor fused_experts_impl(const at::Tensor& hidden_states, const at::Tensor&
   const int64_t E = w1.size(0), N = w1.size(1) / 2;
   TORCH_CHECK(E > 0, op, ": w1 must hold at least one expert, got shape ", w1.sizes());
   TORCH_CHECK(w1.size(1) % 2 == 0 && N > 0, op,
-              ": w1.size(1) must be 2N (gate and up rows), a positive even number, got ", w1.size(1));
+              ": w1.size(1) must be 2N (gate and up rows), a positive even number, got ",
+              w1.size(1));
   TORCH_CHECK(w1.size(2) == K, op, ": w1 must be [E, 2N, K] with K = hidden_states.size(1) = ", K,
               ", got shape ", w1.sizes());
   check_mlp_sizes(K, N, op);
@@ -221,7 +224,7 @@ at::Tensor fused_experts_impl(const at::Tensor& hidden_states, const at::Tensor&
               ": w1_bias and w2_bias must be given together (got only ",
               w1_bias.has_value() ? "w1_bias" : "w2_bias", ")");
   if (w1_bias.has_value()) {
-    for (const auto& [b, name, cols] :
+    for (const auto &[b, name, cols] :
          {std::tuple{*w1_bias, "w1_bias", 2 * N}, std::tuple{*w2_bias, "w2_bias", K}}) {
       check_dense(b, name, op, 2);
       TORCH_CHECK(b.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
@@ -249,8 +252,8 @@ at::Tensor fused_experts_impl(const at::Tensor& hidden_states, const at::Tensor&
   p.topk_ids = ids.data_ptr();
   p.topk_ids_dtype = idt == at::kInt ? CPUMOE_DTYPE_I32 : CPUMOE_DTYPE_I64;
   p.topk_weights = weights.data_ptr();
-  p.topk_weights_dtype = wdt == at::kFloat    ? CPUMOE_DTYPE_F32
-                         : wdt == at::kDouble ? CPUMOE_DTYPE_F64
+  p.topk_weights_dtype = wdt == at::kFloat      ? CPUMOE_DTYPE_F32
+                         : wdt == at::kDouble   ? CPUMOE_DTYPE_F64
                          : wdt == at::kBFloat16 ? CPUMOE_DTYPE_BF16
                                                 : CPUMOE_DTYPE_F16;
   p.w1_bias = w1_bias.has_value() ? w1_bias->data_ptr<float>() : nullptr;
@@ -260,43 +263,38 @@ at::Tensor fused_experts_impl(const at::Tensor& hidden_states, const at::Tensor&
   return out;
 }
 
-at::Tensor fused_experts_seed(const at::Tensor& hidden_states, const at::Tensor& w1,
-                              const at::Tensor& w2, const at::Tensor& topk_weights,
-                              const at::Tensor& topk_ids, bool inplace, int64_t moe_comp_method,
-                              const std::optional<at::Tensor>& w1_scale,
-                              const std::optional<at::Tensor>& w2_scale,
-                              const std::optional<at::Tensor>& w1_zero,
-                              const std::optional<at::Tensor>& w2_zero,
+at::Tensor fused_experts_seed(const at::Tensor &hidden_states, const at::Tensor &w1,
+                              const at::Tensor &w2, const at::Tensor &topk_weights,
+                              const at::Tensor &topk_ids, bool inplace, int64_t moe_comp_method,
+                              const std::optional<at::Tensor> &w1_scale,
+                              const std::optional<at::Tensor> &w2_scale,
+                              const std::optional<at::Tensor> &w1_zero,
+                              const std::optional<at::Tensor> &w2_zero,
                               at::OptionalIntArrayRef block_size, bool is_vnni) {
-  return fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
-                            moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
-                            std::nullopt, std::nullopt, std::nullopt, std::nullopt, is_vnni);
+  return fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method,
+                            w1_scale, w2_scale, w1_zero, w2_zero, block_size, std::nullopt,
+                            std::nullopt, std::nullopt, std::nullopt, is_vnni);
 }
 
-at::Tensor fused_experts_bias(const at::Tensor& hidden_states, const at::Tensor& w1,
-                              const at::Tensor& w2, const at::Tensor& topk_weights,
-                              const at::Tensor& topk_ids, bool inplace, int64_t moe_comp_method,
-                              const std::optional<at::Tensor>& w1_scale,
-                              const std::optional<at::Tensor>& w2_scale,
-                              const std::optional<at::Tensor>& w1_zero,
-                              const std::optional<at::Tensor>& w2_zero,
-                              at::OptionalIntArrayRef block_size,
-                              const std::optional<at::Tensor>& w1_bias,
-                              const std::optional<at::Tensor>& w2_bias, std::optional<double> alpha,
-                              std::optional<double> limit, bool is_vnni) {
-  return fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
-                            moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
-                            w1_bias, w2_bias, alpha, limit, is_vnni);
+at::Tensor fused_experts_bias(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+  return fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method,
+                            w1_scale, w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias,
+                            alpha, limit, is_vnni);
 }
 
-at::Tensor shared_expert_cpu(const at::Tensor& hidden_states, const at::Tensor& w1,
-                             const at::Tensor& w2, const std::optional<at::Tensor>& fused_experts_out,
-                             std::optional<double> routed_scaling_factor, bool inplace,
-                             bool use_int8_w8a8, bool use_fp8_w8a16,
-                             const std::optional<at::Tensor>& w1_scale,
-                             const std::optional<at::Tensor>& w2_scale,
-                             at::OptionalIntArrayRef block_size, bool is_vnni) {
-  const char* op = "shared_expert_cpu";
+at::Tensor shared_expert_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const std::optional<at::Tensor> &fused_experts_out, std::optional<double> routed_scaling_factor,
+    bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, at::OptionalIntArrayRef block_size, bool is_vnni) {
+  const char *op = "shared_expert_cpu";
   TORCH_CHECK(!use_int8_w8a8, op,
               ": use_int8_w8a8=True is not implemented in this version of cpumoe; bf16/fp16 "
               "weights are");
@@ -313,7 +311,8 @@ at::Tensor shared_expert_cpu(const at::Tensor& hidden_states, const at::Tensor& 
   TORCH_CHECK(w1.dim() == 2, op, ": w1 must be a 2-D tensor [2N, K], got shape ", w1.sizes());
   const int64_t N = w1.size(0) / 2;
   TORCH_CHECK(w1.size(0) % 2 == 0 && N > 0, op,
-              ": w1.size(0) must be 2N (gate and up rows), a positive even number, got ", w1.size(0));
+              ": w1.size(0) must be 2N (gate and up rows), a positive even number, got ",
+              w1.size(0));
   TORCH_CHECK(w1.size(1) == K, op, ": w1 must be [2N, K] with K = hidden_states.size(1) = ", K,
               ", got shape ", w1.sizes());
   check_mlp_sizes(K, N, op);
@@ -352,18 +351,23 @@ at::Tensor shared_expert_cpu(const at::Tensor& hidden_states, const at::Tensor& 
 
 // ---- Python-level helpers (cpumoe._C) -------------------------------------------------
 
-std::string active_isa() { return cpumoe_isa_name(cpumoe_active_isa()); }
-std::string best_isa() { return cpumoe_isa_name(cpumoe_best_supported_isa()); }
+std::string active_isa() {
+  return cpumoe_isa_name(cpumoe_active_isa());
+}
+std::string best_isa() {
+  return cpumoe_isa_name(cpumoe_best_supported_isa());
+}
 
-void set_isa(const std::string& name) {
+void set_isa(const std::string &name) {
   const cpumoe_isa isa = cpumoe_isa_from_name(name.c_str());
   TORCH_CHECK(isa != CPUMOE_ISA_COUNT, "cpumoe.set_isa: unknown tier '", name,
               "' (expected scalar, avx2 or avx512)");
   check_status(cpumoe_set_isa_cap(isa), "cpumoe.set_isa");
 }
 
-double probe_read(const at::Tensor& buffer, int64_t passes) {
-  TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(), "probe_read: contiguous CPU buffer");
+double probe_read(const at::Tensor &buffer, int64_t passes) {
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(),
+              "probe_read: contiguous CPU buffer");
   const cpumoe_runner runner = aten_runner();
   return cpumoe_probe_read(buffer.data_ptr(), buffer.nbytes(), passes, &runner);
 }
@@ -408,13 +412,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", [] { return std::string(cpumoe_cpu_features()); });
   m.def("built_isas", [] {
     std::vector<std::string> v;
-    for (int i = 0; i < CPUMOE_ISA_COUNT; ++i) v.emplace_back(cpumoe_isa_name(static_cast<cpumoe_isa>(i)));
+    for (int i = 0; i < CPUMOE_ISA_COUNT; ++i)
+      v.emplace_back(cpumoe_isa_name(static_cast<cpumoe_isa>(i)));
     return v;
   });
-  m.def("release_workspace", [] { cached_workspace = at::Tensor(); },
-        "free the calling thread's cached op workspace");
-  m.def("workspace_bytes", [] { return cached_workspace.defined() ? cached_workspace.nbytes() : 0; },
-        "bytes of the calling thread's cached op workspace");
+  m.def(
+      "release_workspace", [] { cached_workspace = at::Tensor(); },
+      "free the calling thread's cached op workspace");
+  m.def(
+      "workspace_bytes", [] { return cached_workspace.defined() ? cached_workspace.nbytes() : 0; },
+      "bytes of the calling thread's cached op workspace");
   m.def("probe_read", &probe_read, "stream a buffer `passes` times on torch's threads");
   m.def("probe_fma", &probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
 }

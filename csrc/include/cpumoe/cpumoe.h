@@ -26,9 +26,9 @@ extern "C" {
 
 typedef enum cpumoe_status {
   CPUMOE_OK = 0,
-  CPUMOE_EINVAL = 1,      /* an argument is out of its documented range */
+  CPUMOE_EINVAL = 1,       /* an argument is out of its documented range */
   CPUMOE_EUNSUPPORTED = 2, /* valid, but not implemented (size, scheme) */
-  CPUMOE_EWORKSPACE = 3,  /* workspace missing or smaller than asked for */
+  CPUMOE_EWORKSPACE = 3,   /* workspace missing or smaller than asked for */
 } cpumoe_status;
 
 typedef enum cpumoe_dtype {
@@ -45,7 +45,7 @@ typedef enum cpumoe_dtype {
 
 /* moe_comp_method values of SGLang's schema. */
 typedef enum cpumoe_scheme {
-  CPUMOE_SCHEME_UNQUANT = 0,   /* bf16/fp16 weights in the activation dtype */
+  CPUMOE_SCHEME_UNQUANT = 0, /* bf16/fp16 weights in the activation dtype */
   CPUMOE_SCHEME_INT8_W8A8 = 1,
   CPUMOE_SCHEME_FP8_W8A16 = 2,
   CPUMOE_SCHEME_INT4_W4A8 = 3,
@@ -102,9 +102,9 @@ typedef struct cpumoe_moe_problem {
 
   /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
    * topk_weights NULL means every weight is 1. */
-  const void *topk_ids;        /* [M, topk] I32 or I64; -1 = skip the slot */
+  const void *topk_ids; /* [M, topk] I32 or I64; -1 = skip the slot */
   cpumoe_dtype topk_ids_dtype;
-  const void *topk_weights;    /* [M, topk] F32, F64, BF16 or F16 */
+  const void *topk_weights; /* [M, topk] F32, F64, BF16 or F16 */
   cpumoe_dtype topk_weights_dtype;
 
   const float *w1_bias; /* [E, 2N] or NULL (both or neither) */

@@ -14,4 +14,6 @@ cpumoe_status cm_fail(cpumoe_status status, const char *fmt, ...) {
   return status;
 }
 
-const char *cpumoe_last_error(void) { return cm_error_message; }
+const char *cpumoe_last_error(void) {
+  return cm_error_message;
+}

@@ -26,7 +26,9 @@ static inline float cm_f32_from_bits(uint32_t u) {
 }
 
 /* bf16 is the top half of an fp32: widening is exact. */
-static inline float cm_bf16_to_f32(uint16_t h) { return cm_f32_from_bits((uint32_t)h << 16); }
+static inline float cm_bf16_to_f32(uint16_t h) {
+  return cm_f32_from_bits((uint32_t)h << 16);
+}
 
 /* Round to nearest even; NaN stays NaN (quiet), with its sign. */
 static inline uint16_t cm_f32_to_bf16(float f) {
@@ -77,8 +79,12 @@ static inline uint16_t cm_f32_to_f16(float f) {
 }
 
 /* The value an fp32 takes once stored in a 16-bit activation dtype. */
-static inline float cm_round_bf16(float f) { return cm_bf16_to_f32(cm_f32_to_bf16(f)); }
-static inline float cm_round_f16(float f) { return cm_f16_to_f32(cm_f32_to_f16(f)); }
+static inline float cm_round_bf16(float f) {
+  return cm_bf16_to_f32(cm_f32_to_bf16(f));
+}
+static inline float cm_round_f16(float f) {
+  return cm_f16_to_f32(cm_f32_to_f16(f));
+}
 
 /*
  * exp(x) for the activations: Cody-Waite reduction by ln2 and a degree-6
@@ -107,13 +113,21 @@ static inline float cm_expf(float x) {
   return p * cm_f32_from_bits(two_n);
 }
 
-static inline float cm_sigmoidf(float x) { return 1.0f / (1.0f + cm_expf(-x)); }
-static inline float cm_siluf(float x) { return x / (1.0f + cm_expf(-x)); }
+static inline float cm_sigmoidf(float x) {
+  return 1.0f / (1.0f + cm_expf(-x));
+}
+static inline float cm_siluf(float x) {
+  return x / (1.0f + cm_expf(-x));
+}
 
 /* min/max with x86 vminps/vmaxps semantics (second operand wins on NaN or equal),
  * written with the NaN-carrying value second so that NaN propagates. */
-static inline float cm_minf(float a, float b) { return a < b ? a : b; }
-static inline float cm_maxf(float a, float b) { return a > b ? a : b; }
+static inline float cm_minf(float a, float b) {
+  return a < b ? a : b;
+}
+static inline float cm_maxf(float a, float b) {
+  return a > b ? a : b;
+}
 
 /* GPT-OSS clamped SwiGLU on one (gate, up) pair. */
 static inline float cm_swiglu_clampf(float gate, float up, float alpha, float limit) {

@@ -35,8 +35,8 @@ typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, siz
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
-typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha,
-                             float limit, float *out);
+typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha, float limit,
+                             float *out);
 /* dst[i] = fp32 value of 16-bit src[i] (bf16 or fp16) */
 typedef void (*cm_widen_fn)(size_t n, const uint16_t *src, float *dst);
 /* dst[i] = 16-bit src[i], round to nearest even */
@@ -48,7 +48,7 @@ typedef void (*cm_axpy_fn)(size_t n, float a, const float *x, float *y);
 
 typedef struct cm_ukernels {
   cpumoe_isa isa;
-  size_t mr; /* rows per A panel for the gemm micro-kernels (<= CM_MR_MAX) */
+  size_t mr;                   /* rows per A panel for the gemm micro-kernels (<= CM_MR_MAX) */
   cm_gemm_f32acc_fn gemm_bf16; /* B tile of bf16 weights */
   cm_gemm_f32acc_fn gemm_f16;  /* B tile of fp16 weights */
   cm_silu_mul_fn silu_mul;
@@ -67,21 +67,21 @@ const cm_ukernels *cm_active_ukernels(void);
 
 /* Per-tier symbols. Elementwise kernels come from one generic source
  * (elementwise/elementwise-impl.h) compiled once per tier. */
-#define CM_DECLARE_ELEMENTWISE(tier)                                                          \
-  void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                   \
-  void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);       \
-  void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                             \
-  void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                              \
-  void cm_narrow_bf16__##tier(size_t, const float *, uint16_t *);                            \
-  void cm_narrow_f16__##tier(size_t, const float *, uint16_t *);                             \
-  void cm_round_bf16__##tier(size_t, float *);                                               \
-  void cm_round_f16__##tier(size_t, float *);                                                \
-  void cm_axpy__##tier(size_t, float, const float *, float *);                               \
-  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t,             \
-                                          const uint16_t *, float *);                        \
-  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t,              \
-                                         const uint16_t *, float *);                         \
-  double cm_probe_read_chunk__##tier(const void *, size_t);                                  \
+#define CM_DECLARE_ELEMENTWISE(tier)                                                              \
+  void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                        \
+  void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);            \
+  void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                                  \
+  void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                                   \
+  void cm_narrow_bf16__##tier(size_t, const float *, uint16_t *);                                 \
+  void cm_narrow_f16__##tier(size_t, const float *, uint16_t *);                                  \
+  void cm_round_bf16__##tier(size_t, float *);                                                    \
+  void cm_round_f16__##tier(size_t, float *);                                                     \
+  void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
+  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
+                                         float *);                                                \
+  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
+                                        float *);                                                 \
+  double cm_probe_read_chunk__##tier(const void *, size_t);                                       \
   double cm_probe_fma_loop__##tier(int64_t);
 
 CM_DECLARE_ELEMENTWISE(scalar)

@@ -16,16 +16,23 @@
 #include "common/ukernels.h"
 #include "dispatch/cpuinfo.h"
 
-#define CM_TABLE(tier, tier_enum, mr_rows)                                      \
-  {                                                                             \
-    .isa = tier_enum, .mr = mr_rows,                                            \
-    .gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier,                             \
-    .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier, .silu_mul = cm_silu_mul__##tier, \
-    .swiglu = cm_swiglu__##tier, .widen_bf16 = cm_widen_bf16__##tier,           \
-    .widen_f16 = cm_widen_f16__##tier, .narrow_bf16 = cm_narrow_bf16__##tier,   \
-    .narrow_f16 = cm_narrow_f16__##tier, .round_bf16 = cm_round_bf16__##tier,   \
-    .round_f16 = cm_round_f16__##tier, .axpy = cm_axpy__##tier,                 \
-    .probe_read = cm_probe_read_chunk__##tier, .probe_fma = cm_probe_fma_loop__##tier, \
+#define CM_TABLE(tier, tier_enum, mr_rows)            \
+  {                                                   \
+      .isa = tier_enum,                               \
+      .mr = mr_rows,                                  \
+      .gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier, \
+      .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier,   \
+      .silu_mul = cm_silu_mul__##tier,                \
+      .swiglu = cm_swiglu__##tier,                    \
+      .widen_bf16 = cm_widen_bf16__##tier,            \
+      .widen_f16 = cm_widen_f16__##tier,              \
+      .narrow_bf16 = cm_narrow_bf16__##tier,          \
+      .narrow_f16 = cm_narrow_f16__##tier,            \
+      .round_bf16 = cm_round_bf16__##tier,            \
+      .round_f16 = cm_round_f16__##tier,              \
+      .axpy = cm_axpy__##tier,                        \
+      .probe_read = cm_probe_read_chunk__##tier,      \
+      .probe_fma = cm_probe_fma_loop__##tier,         \
   }
 
 /* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). */
@@ -44,8 +51,8 @@ typedef struct cm_dispatch_state {
 } cm_dispatch_state;
 
 static cm_dispatch_state cm_state;
-static atomic_int cm_state_ready;     /* 0: not probed, 1: probing, 2: ready */
-static atomic_int cm_active = -1;     /* active tier, -1 until chosen */
+static atomic_int cm_state_ready; /* 0: not probed, 1: probing, 2: ready */
+static atomic_int cm_active = -1; /* active tier, -1 until chosen */
 static char cm_reason[160];
 
 static void append_feature(char *text, size_t size, int present, const char *name) {
@@ -60,7 +67,7 @@ static const cm_dispatch_state *dispatch_state(void) {
   if (atomic_compare_exchange_strong(&cm_state_ready, &expected, 1)) {
     cm_cpu_features f = cm_detect_cpu_features();
     cm_state.features = f;
-    cm_state.best = cm_cpu_supports_avx512_tier(&f)  ? CPUMOE_ISA_AVX512
+    cm_state.best = cm_cpu_supports_avx512_tier(&f) ? CPUMOE_ISA_AVX512
                     : cm_cpu_supports_avx2_tier(&f) ? CPUMOE_ISA_AVX2
                                                     : CPUMOE_ISA_SCALAR;
     char *t = cm_state.features_text;
@@ -96,8 +103,8 @@ static cpumoe_isa choose_active(void) {
     const cpumoe_isa cap = cpumoe_isa_from_name(env);
     if (cap == CPUMOE_ISA_COUNT) {
       snprintf(cm_reason, sizeof cm_reason,
-               "%s (best supported; CPUMOE_ISA=%s is not a tier name, ignored)",
-               cm_isa_names[best], env);
+               "%s (best supported; CPUMOE_ISA=%s is not a tier name, ignored)", cm_isa_names[best],
+               env);
     } else if (cap < best) {
       chosen = cap;
       snprintf(cm_reason, sizeof cm_reason, "%s (capped by CPUMOE_ISA=%s; best supported: %s)",
@@ -123,9 +130,13 @@ cpumoe_isa cpumoe_active_isa(void) {
   return (cpumoe_isa)active;
 }
 
-const cm_ukernels *cm_active_ukernels(void) { return &cm_tables[cpumoe_active_isa()]; }
+const cm_ukernels *cm_active_ukernels(void) {
+  return &cm_tables[cpumoe_active_isa()];
+}
 
-cpumoe_isa cpumoe_best_supported_isa(void) { return dispatch_state()->best; }
+cpumoe_isa cpumoe_best_supported_isa(void) {
+  return dispatch_state()->best;
+}
 
 const char *cpumoe_isa_name(cpumoe_isa isa) {
   return (unsigned)isa < CPUMOE_ISA_COUNT ? cm_isa_names[isa] : "unknown";
@@ -139,7 +150,8 @@ cpumoe_isa cpumoe_isa_from_name(const char *name) {
 
 cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa) {
   if ((unsigned)isa >= CPUMOE_ISA_COUNT)
-    return cm_fail(CPUMOE_EINVAL, "unknown ISA tier %d (expected scalar, avx2 or avx512)", (int)isa);
+    return cm_fail(CPUMOE_EINVAL, "unknown ISA tier %d (expected scalar, avx2 or avx512)",
+                   (int)isa);
   const cpumoe_isa best = cpumoe_best_supported_isa();
   const cpumoe_isa chosen = isa < best ? isa : best;
   if (isa > best)
@@ -157,7 +169,9 @@ const char *cpumoe_isa_reason(void) {
   return cm_reason;
 }
 
-const char *cpumoe_cpu_features(void) { return dispatch_state()->features_text; }
+const char *cpumoe_cpu_features(void) {
+  return dispatch_state()->features_text;
+}
 
 /* ---- probes: the active tier's loops, run once on every worker ---- */
 

@@ -46,9 +46,9 @@ cm_cpu_features cm_detect_cpu_features(void) {
   }
   if (osxsave) {
     const uint64_t xcr0 = read_xcr0();
-    f.os_avx = (xcr0 & 0x6) == 0x6;           /* XMM and YMM state */
-    f.os_avx512 = (xcr0 & 0xe6) == 0xe6;      /* plus opmask, ZMM_Hi256, Hi16_ZMM */
-    f.os_amx = (xcr0 & 0x60000) == 0x60000;   /* XTILECFG, XTILEDATA */
+    f.os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
+    f.os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* plus opmask, ZMM_Hi256, Hi16_ZMM */
+    f.os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
   }
   return f;
 }
@@ -58,6 +58,6 @@ int cm_cpu_supports_avx2_tier(const cm_cpu_features *f) {
 }
 
 int cm_cpu_supports_avx512_tier(const cm_cpu_features *f) {
-  return cm_cpu_supports_avx2_tier(f) && f->os_avx512 && f->avx512f && f->avx512bw &&
-         f->avx512vl && f->avx512dq && f->avx512vnni;
+  return cm_cpu_supports_avx2_tier(f) && f->os_avx512 && f->avx512f && f->avx512bw && f->avx512vl &&
+         f->avx512dq && f->avx512vnni;
 }

@@ -54,8 +54,7 @@ typedef struct cm_block {
  * of one expert that need the same weight tile run back to back, so the tile is
  * read from memory once and then hit in cache (e.g. Mixtral prefill, 3 blocks per
  * expert). The first task of an expert is expert_first_block * tiles. */
-static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t tiles,
-                                  int64_t *tile) {
+static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t tiles, int64_t *tile) {
   const cm_block *any = &blocks[t / tiles];
   const int64_t local = t - (int64_t)any->expert_first_block * tiles;
   *tile = local / any->expert_blocks;
@@ -68,7 +67,9 @@ typedef struct cm_layout {
   int64_t slots, max_panels;
 } cm_layout;
 
-static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
+static size_t align64(size_t x) {
+  return (x + 63) & ~(size_t)63;
+}
 
 static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   cm_layout l;
@@ -92,7 +93,8 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
   if (!p) return cm_fail(CPUMOE_EINVAL, "problem is NULL");
   if (p->M < 0) return cm_fail(CPUMOE_EINVAL, "M must be >= 0, got %lld", (long long)p->M);
   if (p->K <= 0 || p->N <= 0 || p->E <= 0 || p->topk <= 0)
-    return cm_fail(CPUMOE_EINVAL, "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
+    return cm_fail(CPUMOE_EINVAL,
+                   "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
                    (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk);
   if (p->scheme != CPUMOE_SCHEME_UNQUANT)
     return cm_fail(CPUMOE_EUNSUPPORTED, "moe_comp_method %d is not implemented in this build",

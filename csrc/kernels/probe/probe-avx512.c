@@ -15,8 +15,7 @@ double cm_probe_read_chunk__avx512(const void *buffer, size_t bytes) {
   for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_si512();
   size_t i = 0;
   for (; i + 512 <= bytes; i += 512)
-    for (int j = 0; j < 8; j++)
-      s[j] = _mm512_add_epi64(s[j], _mm512_loadu_si512(p + i + 64 * j));
+    for (int j = 0; j < 8; j++) s[j] = _mm512_add_epi64(s[j], _mm512_loadu_si512(p + i + 64 * j));
   for (int j = 1; j < 8; j++) s[0] = _mm512_add_epi64(s[0], s[j]);
   return (double)_mm512_reduce_add_epi64(s[0]);
 }

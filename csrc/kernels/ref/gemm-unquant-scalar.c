@@ -13,9 +13,9 @@
 
 typedef float (*cm_widen_one_fn)(uint16_t);
 
-static inline void gemm_16bit_scalar(size_t mr, size_t k, const float *restrict a,
-                                     size_t a_stride, const uint16_t *restrict b,
-                                     float *restrict c, cm_widen_one_fn widen) {
+static inline void gemm_16bit_scalar(size_t mr, size_t k, const float *restrict a, size_t a_stride,
+                                     const uint16_t *restrict b, float *restrict c,
+                                     cm_widen_one_fn widen) {
   for (size_t r = 0; r < mr; r++) {
     for (size_t n = 0; n < CM_NR; n++) {
       float acc = 0.0f;

@@ -23,14 +23,14 @@
 typedef enum { W_BF16, W_F16 } weight_kind;
 
 static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, __m256i w,
-                                                              __m256 *even, __m256 *odd) {
+                                                             __m256 *even, __m256 *odd) {
   if (kind == W_BF16) {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
   } else {
     /* per 128-bit lane: low 8 bytes <- even halves, high 8 bytes <- odd halves */
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
+                                           1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), 0xd8);
     *even = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
     *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
@@ -39,10 +39,9 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
 
 /* 16 columns starting at column `col0` of the 32-wide tile. */
 static inline __attribute__((always_inline)) void gemm_half(const int mr, weight_kind kind,
-                                                             size_t k, const float *restrict a,
-                                                             size_t as,
-                                                             const uint16_t *restrict b,
-                                                             float *restrict c, int col0) {
+                                                            size_t k, const float *restrict a,
+                                                            size_t as, const uint16_t *restrict b,
+                                                            float *restrict c, int col0) {
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
@@ -79,8 +78,8 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
-                                                             size_t k, const float *a, size_t as,
-                                                             const uint16_t *b, float *c) {
+                                                            size_t k, const float *a, size_t as,
+                                                            const uint16_t *b, float *c) {
   gemm_half(mr, kind, k, a, as, b, c, 0);
   gemm_half(mr, kind, k, a, as, b, c, 16);
 }

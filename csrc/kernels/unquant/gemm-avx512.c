@@ -31,7 +31,7 @@
 typedef enum { W_BF16, W_F16 } weight_kind;
 
 static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, __m512i w,
-                                                              __m512 *even, __m512 *odd) {
+                                                             __m512 *even, __m512 *odd) {
   if (kind == W_BF16) {
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
@@ -42,10 +42,9 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
-                                                             size_t k, const float *restrict a,
-                                                             size_t as,
-                                                             const uint16_t *restrict b,
-                                                             float *restrict c) {
+                                                            size_t k, const float *restrict a,
+                                                            size_t as, const uint16_t *restrict b,
+                                                            float *restrict c) {
   __m512 acc0[MR], acc1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
@@ -86,20 +85,20 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
 
 /* One specialization per row count so that every loop above unrolls and the
  * accumulators live in registers. */
-#define CM_GEMM_CASES(kind)                                                  \
-  switch (mr) {                                                              \
-    case 1: gemm_body(1, kind, k, a, as, b, c); break;                       \
-    case 2: gemm_body(2, kind, k, a, as, b, c); break;                       \
-    case 3: gemm_body(3, kind, k, a, as, b, c); break;                       \
-    case 4: gemm_body(4, kind, k, a, as, b, c); break;                       \
-    case 5: gemm_body(5, kind, k, a, as, b, c); break;                       \
-    case 6: gemm_body(6, kind, k, a, as, b, c); break;                       \
-    case 7: gemm_body(7, kind, k, a, as, b, c); break;                       \
-    case 8: gemm_body(8, kind, k, a, as, b, c); break;                       \
-    case 9: gemm_body(9, kind, k, a, as, b, c); break;                       \
-    case 10: gemm_body(10, kind, k, a, as, b, c); break;                     \
-    case 11: gemm_body(11, kind, k, a, as, b, c); break;                     \
-    default: gemm_body(12, kind, k, a, as, b, c); break;                     \
+#define CM_GEMM_CASES(kind)                              \
+  switch (mr) {                                          \
+    case 1: gemm_body(1, kind, k, a, as, b, c); break;   \
+    case 2: gemm_body(2, kind, k, a, as, b, c); break;   \
+    case 3: gemm_body(3, kind, k, a, as, b, c); break;   \
+    case 4: gemm_body(4, kind, k, a, as, b, c); break;   \
+    case 5: gemm_body(5, kind, k, a, as, b, c); break;   \
+    case 6: gemm_body(6, kind, k, a, as, b, c); break;   \
+    case 7: gemm_body(7, kind, k, a, as, b, c); break;   \
+    case 8: gemm_body(8, kind, k, a, as, b, c); break;   \
+    case 9: gemm_body(9, kind, k, a, as, b, c); break;   \
+    case 10: gemm_body(10, kind, k, a, as, b, c); break; \
+    case 11: gemm_body(11, kind, k, a, as, b, c); break; \
+    default: gemm_body(12, kind, k, a, as, b, c); break; \
   }
 
 void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
