@@ -7,10 +7,24 @@ op writes into ``hidden_states`` and returns it, while tracing sees a fresh tens
 import torch
 
 
+def _same_device(op, hidden_states, **tensors):
+    """A meta tensor among CPU tensors sends the call here; without this check it would
+    return an uninitialized CPU tensor. Under FakeTensorMode all devices agree."""
+    for name, t in tensors.items():
+        if t is not None and t.device != hidden_states.device:
+            raise RuntimeError(
+                f"{op}: {name} is on {t.device} but hidden_states is on {hidden_states.device}; "
+                "all tensors must be CPU tensors"
+            )
+
+
 @torch.library.register_fake("cpumoe::fused_experts_cpu")
 def _fused_experts_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                         moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
                         is_vnni):
+    _same_device("fused_experts_cpu", hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
+                 topk_ids=topk_ids, w1_scale=w1_scale, w2_scale=w2_scale, w1_zero=w1_zero,
+                 w2_zero=w2_zero)
     return torch.empty_like(hidden_states)
 
 
@@ -18,6 +32,9 @@ def _fused_experts_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
 def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                              moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
                              w1_bias, w2_bias, alpha, limit, is_vnni):
+    _same_device("fused_experts_cpu", hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
+                 topk_ids=topk_ids, w1_scale=w1_scale, w2_scale=w2_scale, w1_zero=w1_zero,
+                 w2_zero=w2_zero, w1_bias=w1_bias, w2_bias=w2_bias)
     return torch.empty_like(hidden_states)
 
 
@@ -25,6 +42,8 @@ def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inpl
 def _shared_expert_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
                         inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size,
                         is_vnni):
+    _same_device("shared_expert_cpu", hidden_states, w1=w1, w2=w2,
+                 fused_experts_out=fused_experts_out, w1_scale=w1_scale, w2_scale=w2_scale)
     return torch.empty_like(hidden_states)
 
 
