@@ -100,6 +100,10 @@ typedef struct cpumoe_moe_problem {
   const void *w1; /* packed [E, 2N, K] (layout per scheme, docs/FORMATS.md) */
   const void *w2; /* packed [E, K, N] */
 
+  /* INT8_W8A8: per output channel fp32 scales, w1_scale [E, 2N], w2_scale [E, K]. */
+  const float *w1_scale;
+  const float *w2_scale;
+
   /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
    * topk_weights NULL means every weight is 1. */
   const void *topk_ids; /* [M, topk] I32 or I64; -1 = skip the slot */
@@ -132,6 +136,13 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *work
 cpumoe_status cpumoe_pack_vnni2_16bit(const uint16_t *src, uint16_t *dst, int64_t experts,
                                       int64_t rows, int64_t cols, const cpumoe_runner *runner);
 
+/* VNNI-4 for int8 weights, plus per-row int32 compensation: [rows, cols] ->
+ * [rows, cols + 4] bytes, blocks of 32 rows, each 32*cols bytes of [cols/4][32][4]
+ * followed by int32 comp[32] = 128 * row sums. Requirements: rows % 32 == 0,
+ * cols % 32 == 0, cols <= 65536. */
+cpumoe_status cpumoe_pack_vnni4_int8(const int8_t *src, int8_t *dst, int64_t experts, int64_t rows,
+                                     int64_t cols, const cpumoe_runner *runner);
+
 /* ---- ISA ------------------------------------------------------------------------*/
 cpumoe_isa cpumoe_active_isa(void);          /* tier the ops use */
 cpumoe_isa cpumoe_best_supported_isa(void);  /* best tier this CPU and build can run */
@@ -153,6 +164,10 @@ double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
 /* Runs `iterations` of a register-only fp32 FMA loop on each worker, using the active
  * tier's widest FMA; returns the number of flops done in total (2 per lane per FMA). */
 double cpumoe_probe_fma(int64_t iterations, const cpumoe_runner *runner);
+
+/* Runs `iterations` of the active tier's u8*s8 multiply-add peak loop (VNNI vpdpbusd on
+ * avx512) on each worker; returns the operations done in total (2 per multiply-add). */
+double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner);
 
 const char *cpumoe_last_error(void);
 

@@ -27,10 +27,17 @@
 
 #define CM_NR 32 /* output channels per packed weight block and per C tile */
 #define CM_MR_MAX 16
+/* Longest int8 reduction with exact int32 sums: k * 255 * 128 < 2^31 (and 128 * 127 * k
+ * for the compensation). */
+#define CM_INT8_MAX_REDUCTION 65536
 
 /* C[mr][32] = A_panel[k][a_stride] (rows 0..mr-1) x B_tile[k/2][32][2] */
 typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, size_t a_stride,
                                   const uint16_t *b_tile, float *c);
+
+/* C[mr][32] = A_panel u8 [k/4][a_stride][4] x B_tile s8 VNNI-4 [k/4][32][4], exact int32 */
+typedef void (*cm_gemm_s32acc_fn)(size_t mr, size_t k, const uint8_t *a_panel, size_t a_stride,
+                                  const int8_t *b_tile, int32_t *c);
 
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
@@ -45,6 +52,10 @@ typedef void (*cm_narrow_fn)(size_t n, const float *src, uint16_t *dst);
 typedef void (*cm_round_fn)(size_t n, float *v);
 /* y[i] += a * x[i] (mul then add, two roundings) */
 typedef void (*cm_axpy_fn)(size_t n, float a, const float *x, float *y);
+/* returns max(m, max_i |x[i]|) */
+typedef float (*cm_absmax_fn)(size_t n, const float *x, float m);
+/* q[i] = 128 + clamp(round_half_even(x[i] * inv_scale), -127, 127) */
+typedef void (*cm_quantize_u8_fn)(size_t n, const float *x, float inv_scale, uint8_t *q);
 
 typedef struct cm_ukernels {
   cpumoe_isa isa;
@@ -57,9 +68,13 @@ typedef struct cm_ukernels {
   cm_narrow_fn narrow_bf16, narrow_f16;
   cm_round_fn round_bf16, round_f16;
   cm_axpy_fn axpy;
+  cm_gemm_s32acc_fn gemm_u8s8; /* INT8 W8A8 */
+  cm_absmax_fn absmax;
+  cm_quantize_u8_fn quantize_u8;
   /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
   double (*probe_read)(const void *buffer, size_t bytes);
   double (*probe_fma)(int64_t iterations);
+  double (*probe_int8)(int64_t iterations); /* u8*s8 multiply-adds at the tier's peak */
 } cm_ukernels;
 
 /* The table for the active tier (dispatch/config.c). */
@@ -77,6 +92,11 @@ const cm_ukernels *cm_active_ukernels(void);
   void cm_round_bf16__##tier(size_t, float *);                                                    \
   void cm_round_f16__##tier(size_t, float *);                                                     \
   void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
+  float cm_absmax__##tier(size_t, const float *, float);                                          \
+  void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
+  void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
+                                         int32_t *);                                              \
+  double cm_probe_int8_loop__##tier(int64_t);                                                     \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
                                          float *);                                                \
   void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \

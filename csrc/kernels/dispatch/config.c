@@ -33,6 +33,10 @@
       .axpy = cm_axpy__##tier,                        \
       .probe_read = cm_probe_read_chunk__##tier,      \
       .probe_fma = cm_probe_fma_loop__##tier,         \
+      .probe_int8 = cm_probe_int8_loop__##tier,       \
+      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+      .absmax = cm_absmax__##tier,                    \
+      .quantize_u8 = cm_quantize_u8__##tier,          \
   }
 
 /* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). */
@@ -209,6 +213,16 @@ double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
                          const cpumoe_runner *runner) {
   probe_job job = {.buffer = (const char *)buffer, .bytes_per_worker = bytes, .passes = passes};
   return run_probe(runner, probe_read_worker, &job);
+}
+
+static void probe_int8_worker(void *arg, int64_t w) {
+  probe_job *job = (probe_job *)arg;
+  job->result[w] = cm_active_ukernels()->probe_int8(job->iterations);
+}
+
+double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner) {
+  probe_job job = {.iterations = iterations};
+  return run_probe(runner, probe_int8_worker, &job);
 }
 
 double cpumoe_probe_fma(int64_t iterations, const cpumoe_runner *runner) {

@@ -55,3 +55,26 @@ void CM_TIERED(cm_round_f16)(size_t n, float *restrict v) {
 void CM_TIERED(cm_axpy)(size_t n, float a, const float *restrict x, float *restrict y) {
   for (size_t i = 0; i < n; i++) y[i] = y[i] + a * x[i];
 }
+
+float CM_TIERED(cm_absmax)(size_t n, const float *restrict x, float m) {
+  /* max is exact and order-free: a vectorized reduction gives the scalar tier's bits.
+   * A NaN anywhere makes the result NaN (so the row's scale, and its outputs, are NaN). */
+  int nan = 0;
+  for (size_t i = 0; i < n; i++) {
+    const float a = fabsf(x[i]);
+    m = a > m ? a : m;
+    nan |= a != a;
+  }
+  return nan ? NAN : m;
+}
+
+void CM_TIERED(cm_quantize_u8)(size_t n, const float *restrict x, float inv_scale,
+                               uint8_t *restrict q) {
+  for (size_t i = 0; i < n; i++) {
+    float v = nearbyintf(x[i] * inv_scale); /* round half to even (default rounding mode) */
+    v = v > 127.0f ? 127.0f : v;
+    v = v < -127.0f ? -127.0f : v;
+    v = v == v ? v : 0.0f; /* NaN (its row's scale is NaN too): any code, no UB */
+    q[i] = (uint8_t)(int32_t)(v + 128.0f);
+  }
+}

@@ -12,12 +12,16 @@
  * STAGES per chunk of at most CM_CHUNK_TOKENS tokens (bounds the workspace):
  *   route   serial: validate ids, counting-sort the M*topk slots by expert (stable),
  *           cut each expert's slots into panels of `mr` rows, panels into blocks.
- *   pack    task per panel: gather + widen x rows into an fp32 A panel [K][mr].
- *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1,
- *           bias, activation, rounding, written as the A panel [N][mr] of gemm2.
+ *   pack1   task per panel: gather the x rows into the scheme's A panel (fp32 for
+ *           16-bit weights; per-row quantized u8 for INT8).
+ *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1
+ *           (dequantized by the scheme), bias, activation, rounding -> mid [slot, N].
+ *   pack2   task per panel: mid rows into the scheme's A panel of gemm2.
  *   gemm2   task per (block, 32 output columns): tile of W2, bias, topk weight,
  *           written to y [slot, K] in the slots' original order.
- *   reduce  task per group of tokens: sum the slots in order j = 0..topk-1.
+ *   reduce  task per token: sum the slots in order j = 0..topk-1 (+ residual).
+ * SCHEMES   differ only in two hooks (cm_scheme_impl): how rows become an A panel,
+ *           and how a weight tile times a panel becomes an fp32 C tile.
  * REGULARITIES each task is a fixed computation: outputs do not depend on the
  *           number of threads or on which thread ran what.
  * EXAMPLE   Qwen3-30B-A3B: E=128, topk=8, K=2048, N=768; decode M=1 reads 8 experts'
@@ -32,9 +36,10 @@
 #include "common/ukernels.h"
 
 #define CM_CHUNK_TOKENS 1024
-#define CM_PANELS_PER_BLOCK 4 /* up to 4 x 12 rows share one pass over a weight tile */
-#define CM_REDUCE_COLS 512    /* columns summed per step of the reduce stage */
-#define CM_PACK_COLS 64       /* columns widened per step when packing A panels */
+#define CM_PANELS_PER_BLOCK 4  /* up to 4 x 12 rows share one pass over a weight tile */
+#define CM_REDUCE_COLS 512     /* columns summed per step of the reduce stage */
+#define CM_PACK_COLS 64        /* columns widened per step when packing A panels */
+#define CM_INT8_MIN_AMAX 1e-7f /* floor of a row's absmax before quantizing (all-zero rows) */
 
 typedef struct cm_panel {
   int32_t expert;
@@ -63,7 +68,7 @@ static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t til
 
 /* Workspace regions for one chunk; all sizes derive from the problem and mr only. */
 typedef struct cm_layout {
-  size_t offsets, sorted, weights, panels, blocks, a1, a2, y, total;
+  size_t offsets, sorted, weights, panels, blocks, a1, as1, mid, a2, as2, y, total;
   int64_t slots, max_panels;
 } cm_layout;
 
@@ -82,8 +87,12 @@ static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
   l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
+  /* A panels hold at most 4 bytes per element (fp32), scales one float per row */
   l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
+  l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
   l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
+  l.as2 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
   l.total = at + 64; /* room to align the base pointer */
   return l;
@@ -96,9 +105,17 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
     return cm_fail(CPUMOE_EINVAL,
                    "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
                    (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk);
-  if (p->scheme != CPUMOE_SCHEME_UNQUANT)
+  if (p->scheme != CPUMOE_SCHEME_UNQUANT && p->scheme != CPUMOE_SCHEME_INT8_W8A8)
     return cm_fail(CPUMOE_EUNSUPPORTED, "moe_comp_method %d is not implemented in this build",
                    (int)p->scheme);
+  if (p->scheme == CPUMOE_SCHEME_INT8_W8A8) {
+    if (!p->w1_scale || !p->w2_scale)
+      return cm_fail(CPUMOE_EINVAL, "INT8 W8A8 needs w1_scale and w2_scale");
+    if (p->K > CM_INT8_MAX_REDUCTION || p->N > CM_INT8_MAX_REDUCTION)
+      return cm_fail(CPUMOE_EUNSUPPORTED,
+                     "INT8 W8A8 sums K=%lld and N=%lld products exactly in int32 only up to %d",
+                     (long long)p->K, (long long)p->N, CM_INT8_MAX_REDUCTION);
+  }
   if (p->act_dtype != CPUMOE_DTYPE_BF16 && p->act_dtype != CPUMOE_DTYPE_F16)
     return cm_fail(CPUMOE_EINVAL, "activations must be bf16 or fp16");
   if (p->K % 32 != 0)
@@ -161,22 +178,132 @@ size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
 }
 
 /* Everything a task needs, for one chunk of tokens [m0, m0 + mc). */
-typedef struct cm_run {
+typedef struct cm_run cm_run;
+
+typedef struct cm_scheme_impl {
+  /* Writes the panel's rows into its A panel of `stage` (1: x rows of the panel's
+   * tokens, reduction K; 2: mid rows, reduction N), with per-row scales if any. */
+  void (*pack_panel)(const cm_run *r, const cm_panel *pn, int stage);
+  /* c[rows][32] = fp32 product of the panel with the 32 weight rows [row0, row0 + 32) of
+   * W1[e] (stage 1) or W2[e] (stage 2), dequantized; bias and activation are not in. */
+  void (*gemm_tile)(const cm_run *r, const cm_panel *pn, int stage, int64_t row0, float *c);
+} cm_scheme_impl;
+
+struct cm_run {
   const cpumoe_moe_problem *p;
   const cm_ukernels *uk;
-  cm_gemm_f32acc_fn gemm;
+  const cm_scheme_impl *impl;
   cm_widen_fn widen;
   cm_narrow_fn narrow;
   cm_round_fn round16;
   size_t mr;
   int64_t m0, mc, n_blocks, n_tiles1, n_tiles2;
-  const int64_t *offsets; /* [E+1] first sorted position of each expert */
-  const int32_t *sorted;  /* chunk-local slot indices, grouped by expert */
-  const float *weights;   /* [mc * topk] topk weights as fp32 */
+  const int32_t *sorted; /* chunk-local slot indices, grouped by expert */
+  const float *weights;  /* [mc * topk] topk weights as fp32 */
   const cm_panel *panels;
   const cm_block *blocks;
-  float *a1, *a2, *y;
-} cm_run;
+  void *a[2];        /* A panels of gemm1 and gemm2 */
+  float *a_scale[2]; /* per-row activation scales (INT8), by sorted position */
+  float *mid;        /* [slots, N] rounded intermediate, by sorted position */
+  float *y;          /* [slots, K] weighted expert outputs, by chunk-local slot */
+};
+
+static int64_t stage_reduction(const cm_run *r, int stage) {
+  return stage == 1 ? r->p->K : r->p->N;
+}
+
+/* fp32 values of columns [k0, k0 + n) of panel row i: widened x (stage 1) or mid (stage 2) */
+static const float *row_chunk(const cm_run *r, const cm_panel *pn, int stage, size_t i, int64_t k0,
+                              size_t n, float *tmp) {
+  const cpumoe_moe_problem *p = r->p;
+  if (stage == 2) return r->mid + (size_t)(pn->first + (int64_t)i) * (size_t)p->N + (size_t)k0;
+  const int64_t token = r->m0 + r->sorted[pn->first + (int64_t)i] / p->topk;
+  r->widen(n, (const uint16_t *)p->x + token * p->K + k0, tmp);
+  return tmp;
+}
+
+/* ---- 16-bit weights: fp32 panels [red][rows], fp32 FMA micro-kernels ---- */
+
+static void pack_panel_f32(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  float *panel = (float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  float tmp[CM_MR_MAX][CM_PACK_COLS];
+  const float *src[CM_MR_MAX];
+  for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
+    for (size_t i = 0; i < rows; i++) src[i] = row_chunk(r, pn, stage, i, k0, n, tmp[i]);
+    float *dst = panel + (size_t)k0 * rows;
+    for (size_t k = 0; k < n; k++)
+      for (size_t i = 0; i < rows; i++) dst[k * rows + i] = src[i][k];
+  }
+}
+
+static void gemm_tile_16bit(const cm_run *r, const cm_panel *pn, int stage, int64_t row0,
+                            float *c) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t red = stage_reduction(r, stage);
+  const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
+                      (size_t)pn->expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+  const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  const cm_gemm_f32acc_fn gemm =
+      p->act_dtype == CPUMOE_DTYPE_BF16 ? r->uk->gemm_bf16 : r->uk->gemm_f16;
+  gemm((size_t)pn->rows, (size_t)red, panel, (size_t)pn->rows, w, c);
+}
+
+static const cm_scheme_impl cm_scheme_16bit = {pack_panel_f32, gemm_tile_16bit};
+
+/* ---- INT8 W8A8: per-row u8 panels [red/4][rows][4] with scales, u8 x s8 micro-kernels ---- */
+
+static void pack_panel_u8(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  uint8_t *panel = (uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  float *scale = r->a_scale[stage - 1] + pn->first;
+  float tmp[CM_PACK_COLS], inv_scale[CM_MR_MAX];
+  uint8_t q[CM_MR_MAX][CM_PACK_COLS];
+  for (size_t i = 0; i < rows; i++) {
+    float amax = 0.0f;
+    for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
+      const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
+      amax = r->uk->absmax(n, row_chunk(r, pn, stage, i, k0, n, tmp), amax);
+    }
+    if (!(amax >= CM_INT8_MIN_AMAX)) amax = amax != amax ? amax : CM_INT8_MIN_AMAX; /* 0 or NaN */
+    scale[i] = amax / 127.0f;
+    inv_scale[i] = 127.0f / amax;
+  }
+  for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
+    for (size_t i = 0; i < rows; i++)
+      r->uk->quantize_u8(n, row_chunk(r, pn, stage, i, k0, n, tmp), inv_scale[i], q[i]);
+    uint8_t *dst = panel + (size_t)k0 * rows;
+    for (size_t kq = 0; kq < n / 4; kq++)
+      for (size_t i = 0; i < rows; i++) memcpy(dst + (kq * rows + i) * 4, q[i] + 4 * kq, 4);
+  }
+}
+
+static void gemm_tile_int8(const cm_run *r, const cm_panel *pn, int stage, int64_t row0, float *c) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t red = stage_reduction(r, stage);
+  const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const int8_t *w = (const int8_t *)(stage == 1 ? p->w1 : p->w2) +
+                    (size_t)pn->expert * (size_t)(out_rows * (red + 4)) +
+                    (size_t)(row0 * (red + 4));
+  int32_t comp[CM_NR], acc[CM_MR_MAX * CM_NR];
+  memcpy(comp, w + 32 * red, sizeof comp);
+  r->uk->gemm_u8s8((size_t)pn->rows, (size_t)red,
+                   (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red,
+                   (size_t)pn->rows, w, acc);
+  const float *w_scale =
+      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)pn->expert * (size_t)out_rows + row0;
+  const float *a_scale = r->a_scale[stage - 1] + pn->first;
+  for (int32_t i = 0; i < pn->rows; i++)
+    for (int j = 0; j < CM_NR; j++)
+      c[i * CM_NR + j] = ((float)(acc[i * CM_NR + j] - comp[j]) * a_scale[i]) * w_scale[j];
+}
+
+static const cm_scheme_impl cm_scheme_int8 = {pack_panel_u8, gemm_tile_int8};
 
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
@@ -190,7 +317,7 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
     if (e >= 0) offsets[e + 1]++;
   }
   for (int64_t e = 0; e < p->E; e++) offsets[e + 1] += offsets[e];
-  /* offsets[e] is now the first position of expert e; fill with a moving cursor */
+  /* offsets[e] is the first position of expert e */
   int64_t n_panels = 0, n_blocks = 0;
   for (int64_t e = 0; e < p->E; e++) {
     const int64_t count = offsets[e + 1] - offsets[e];
@@ -213,60 +340,41 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
     const int64_t e = slot_expert(p, base + s);
     if (e >= 0) sorted[offsets[e]++] = (int32_t)s;
   }
-  for (int64_t e = p->E; e > 0; e--) offsets[e] = offsets[e - 1];
-  offsets[0] = 0;
   r->n_blocks = n_blocks;
 }
 
-static void pack_task(void *ctx, int64_t t) {
+static void pack1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
-  const cpumoe_moe_problem *p = r->p;
-  const cm_panel *pn = &r->panels[t];
-  const int64_t K = p->K;
-  const size_t rows = (size_t)pn->rows;
-  float *panel = r->a1 + (size_t)pn->first * (size_t)K;
-  /* widen CM_PACK_COLS columns of every row into `strip` (vectorized), then
-   * write them interleaved: contiguous stores, reads from L1 */
-  float strip[CM_MR_MAX][CM_PACK_COLS];
-  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
-    const int64_t n = K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS;
-    for (size_t i = 0; i < rows; i++) {
-      const int64_t token = r->m0 + r->sorted[pn->first + (int64_t)i] / p->topk;
-      r->widen((size_t)n, (const uint16_t *)p->x + token * K + k0, strip[i]);
-    }
-    float *dst = panel + (size_t)k0 * rows;
-    for (int64_t k = 0; k < n; k++)
-      for (size_t i = 0; i < rows; i++) dst[(size_t)k * rows + i] = strip[i][k];
-  }
+  r->impl->pack_panel(r, &r->panels[t], 1);
+}
+
+static void pack2_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  r->impl->pack_panel(r, &r->panels[t], 2);
 }
 
 static void gemm1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
-  const int64_t K = p->K, N = p->N;
+  const int64_t N = p->N;
   int64_t tile; /* intermediate columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles1, &tile);
   const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
+  /* silu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
+   * interleave gate/up. Either way two 32-row weight blocks. */
+  const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
+  const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
   float c0[CM_MR_MAX * CM_NR], c1[CM_MR_MAX * CM_NR];
-  float gate[CM_NR], up[CM_NR], act[CM_NR];
+  float gate[CM_NR], up[CM_NR];
   for (int32_t q = 0; q < blk->panels; q++) {
-    const int64_t pi = blk->first_panel + q;
-    const cm_panel *pn = &r->panels[pi];
-    const uint16_t *w1 = (const uint16_t *)p->w1 + (size_t)pn->expert * (size_t)(2 * N * K);
-    /* silu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
-     * interleave gate/up. Either way two 32-row packed blocks. */
-    const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
-    const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
-    const size_t rows = (size_t)pn->rows;
-    const float *a = r->a1 + (size_t)pn->first * (size_t)K;
-    r->gemm(rows, (size_t)K, a, rows, w1 + row0 * K, c0);
-    r->gemm(rows, (size_t)K, a, rows, w1 + row1 * K, c1);
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    r->impl->gemm_tile(r, pn, 1, row0, c0);
+    r->impl->gemm_tile(r, pn, 1, row1, c1);
     const float *bias = p->w1_bias ? p->w1_bias + (size_t)pn->expert * (size_t)(2 * N) : NULL;
-    float *out = r->a2 + (size_t)pn->first * (size_t)N + (size_t)(32 * tile) * rows;
     for (int32_t i = 0; i < pn->rows; i++) {
       const float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
       for (int j = 0; j < CM_NR; j++) {
-        if (swiglu) { /* column j of this tile: h rows 64 tile + 2j (gate), + 2j + 1 (up) */
+        if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
           const float *h = j < 16 ? h0 : h1;
           const int jj = 2 * (j & 15);
           gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
@@ -276,12 +384,12 @@ static void gemm1_task(void *ctx, int64_t t) {
           up[j] = h1[j] + (bias ? bias[row1 + j] : 0.0f);
         }
       }
+      float *out = r->mid + (size_t)(pn->first + i) * (size_t)N + (size_t)(32 * tile);
       if (swiglu)
-        r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, act);
+        r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
       else
-        r->uk->silu_mul(CM_NR, gate, up, act);
-      r->round16(CM_NR, act);
-      for (int j = 0; j < CM_NR; j++) out[(size_t)j * rows + (size_t)i] = act[j];
+        r->uk->silu_mul(CM_NR, gate, up, out);
+      r->round16(CM_NR, out);
     }
   }
 }
@@ -289,16 +397,13 @@ static void gemm1_task(void *ctx, int64_t t) {
 static void gemm2_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
-  const int64_t K = p->K, N = p->N;
+  const int64_t K = p->K;
   int64_t tile; /* output columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles2, &tile);
   float c[CM_MR_MAX * CM_NR];
   for (int32_t q = 0; q < blk->panels; q++) {
-    const int64_t pi = blk->first_panel + q;
-    const cm_panel *pn = &r->panels[pi];
-    const uint16_t *w2 = (const uint16_t *)p->w2 + (size_t)pn->expert * (size_t)(K * N);
-    r->gemm((size_t)pn->rows, (size_t)N, r->a2 + (size_t)pn->first * (size_t)N, (size_t)pn->rows,
-            w2 + (size_t)(32 * tile) * (size_t)N, c);
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    r->impl->gemm_tile(r, pn, 2, 32 * tile, c);
     const float *bias = p->w2_bias ? p->w2_bias + (size_t)pn->expert * (size_t)K + 32 * tile : NULL;
     for (int32_t i = 0; i < pn->rows; i++) {
       const int32_t slot = r->sorted[pn->first + i];
@@ -347,20 +452,20 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   cm_run r = {
       .p = p,
       .uk = uk,
-      .gemm = bf16 ? uk->gemm_bf16 : uk->gemm_f16,
+      .impl = p->scheme == CPUMOE_SCHEME_INT8_W8A8 ? &cm_scheme_int8 : &cm_scheme_16bit,
       .widen = bf16 ? uk->widen_bf16 : uk->widen_f16,
       .narrow = bf16 ? uk->narrow_bf16 : uk->narrow_f16,
       .round16 = bf16 ? uk->round_bf16 : uk->round_f16,
       .mr = uk->mr,
       .n_tiles1 = p->N / CM_NR,
       .n_tiles2 = p->K / CM_NR,
-      .offsets = (const int64_t *)(ws + l.offsets),
       .sorted = (const int32_t *)(ws + l.sorted),
       .weights = (const float *)(ws + l.weights),
       .panels = (const cm_panel *)(ws + l.panels),
       .blocks = (const cm_block *)(ws + l.blocks),
-      .a1 = (float *)(ws + l.a1),
-      .a2 = (float *)(ws + l.a2),
+      .a = {ws + l.a1, ws + l.a2},
+      .a_scale = {(float *)(ws + l.as1), (float *)(ws + l.as2)},
+      .mid = (float *)(ws + l.mid),
       .y = (float *)(ws + l.y),
   };
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
@@ -371,8 +476,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
                 (cm_block *)(ws + l.blocks));
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
-    cm_parallel_tasks(runner, n_panels, pack_task, &r);
+    cm_parallel_tasks(runner, n_panels, pack1_task, &r);
     cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
+    cm_parallel_tasks(runner, n_panels, pack2_task, &r);
     cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r);
     cm_parallel_tasks(runner, r.mc, reduce_task, &r);
   }

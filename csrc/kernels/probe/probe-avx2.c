@@ -35,3 +35,21 @@ double cm_probe_fma_loop__avx2(int64_t iterations) {
   (void)out[0];
   return (double)iterations * 12.0 * 8.0 * 2.0;
 }
+
+/* int8 peak of this tier's exact method (int8/gemm-avx2.c): vpmaddwd + vpaddd chains on
+ * int16-widened operands; 8 lanes x 2 products x 2 ops = 32 ops per pair. */
+double cm_probe_int8_loop__avx2(int64_t iterations) {
+  __m256i acc[12];
+  const __m256i x = _mm256_set1_epi16(3), y = _mm256_set1_epi16(-2);
+  for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i);
+  for (int64_t it = 0; it < iterations; it++) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(x, y));
+    __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[6]), "+x"(acc[11]));
+  }
+  int out[8];
+  for (int i = 1; i < 12; i++) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
+  _mm256_storeu_si256((__m256i *)out, acc[0]);
+  (void)out[0];
+  return (double)iterations * 12.0 * 32.0;
+}

@@ -33,3 +33,19 @@ double cm_probe_fma_loop__avx512(int64_t iterations) {
   (void)_mm512_reduce_add_ps(acc[0]);
   return (double)iterations * 16.0 * 16.0 * 2.0;
 }
+
+/* u8*s8 dot-product peak: 16 independent vpdpbusd chains (register-only). Counts 2 ops
+ * per multiply-add: 16 lanes x 4 products x 2 = 128 ops per instruction. */
+double cm_probe_int8_loop__avx512(int64_t iterations) {
+  __m512i acc[16];
+  const __m512i x = _mm512_set1_epi32(0x01010101), y = _mm512_set1_epi32(0x01fe01fe);
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_epi32(i);
+  for (int64_t it = 0; it < iterations; it++) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], x, y);
+    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[5]), "+v"(acc[10]), "+v"(acc[15]));
+  }
+  for (int i = 1; i < 16; i++) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+  (void)_mm512_reduce_add_epi32(acc[0]);
+  return (double)iterations * 16.0 * 128.0;
+}

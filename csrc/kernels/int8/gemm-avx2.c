@@ -1,0 +1,77 @@
+/*
+ * AVX2 GEMM micro-kernel for INT8 W8A8 on CPUs without VNNI: u8 x s8 -> s32, exact.
+ *
+ * C[mr][32] = A_panel x B_tile, mr <= 4 (layouts as int8/gemm-avx512.c).
+ *
+ * Method and why it cannot overflow: the usual vpmaddubsw multiplies u8 by s8 and adds
+ * pairs into int16 with saturation (255*127*2 > 32767), which is not exact. Instead both
+ * operands are widened to int16 (A zero-extended, B sign-extended) and multiplied with
+ * vpmaddwd, which adds pairs of int16 products into int32: |pair| <= 2*255*128 = 65280,
+ * far inside int32. Accumulation is int32, exact while k*255*128 < 2^31 (k <= 65792; the
+ * op checks its reductions against that).
+ *
+ * Tile 4 x 8 per pass, four passes for 32 columns: a 32-byte B load holds 8 columns x 4 k;
+ * sign-extended it is 2 ymm of int16 (columns 0-3 and 4-7, each column's 4 k in 4 int16).
+ * Row r's 4 u8 are zero-extended once into a 64-bit pattern and broadcast; vpmaddwd then
+ * gives two int32 partial sums per column, folded with vphaddd at the end.
+ * 4 rows x 2 accumulators + 2 B + 1 A = 11 of 16 ymm.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "common/ukernels.h"
+
+#define MR 4
+
+static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(v)));
+}
+
+/* 8 columns [col0, col0 + 8) over the whole k */
+static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_t k,
+                                                             const uint8_t *restrict a, size_t as,
+                                                             const int8_t *restrict b,
+                                                             int32_t *restrict c, int col0) {
+  __m256i acc0[MR], acc1[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = _mm256_setzero_si256();
+    acc1[r] = _mm256_setzero_si256();
+  }
+  for (size_t kq = 0; kq < k / 4; kq++) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
+    const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+    const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+    const uint8_t *ak = a + kq * as * 4;
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256i x = widen_a(ak + 4 * r);
+      acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(x, b0));
+      acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(x, b1));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    /* lanes (2j, 2j+1) of acc0 are column j's halves (j < 4), of acc1 column 4 + j */
+    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc0[r], acc1[r]), 0xd8);
+    _mm256_storeu_si256((__m256i *)(c + r * CM_NR + col0), sums);
+  }
+}
+
+static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t k,
+                                                            const uint8_t *a, size_t as,
+                                                            const int8_t *b, int32_t *c) {
+  for (int col0 = 0; col0 < CM_NR; col0 += 8) gemm_cols8(mr, k, a, as, b, c, col0);
+}
+
+void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t k, const uint8_t *a, size_t as,
+                                     const int8_t *b, int32_t *c) {
+  switch (mr) {
+    case 1: gemm_body(1, k, a, as, b, c); break;
+    case 2: gemm_body(2, k, a, as, b, c); break;
+    case 3: gemm_body(3, k, a, as, b, c); break;
+    default: gemm_body(4, k, a, as, b, c); break;
+  }
+}
