@@ -17,6 +17,16 @@ class MoeCompMethod(enum.IntEnum):
     INT4_W4A8 = 3
 
 
+def _tracing() -> bool:
+    """True under torch.compile / export tracing. The op schemas (SGLang's) declare no
+    mutation or aliasing, so an ``inplace=True`` call traced as such would hide the write
+    to ``hidden_states`` from the compiler (it may then reorder reads of hidden_states
+    past the op, giving wrong values). While tracing, the wrappers therefore run the op
+    out of place and ``copy_`` the result into ``hidden_states``: a mutation the compiler
+    sees. Eager calls keep the zero-copy in-place path."""
+    return torch.compiler.is_compiling()
+
+
 def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     """Packs expert weights ``[E, OC, IC]`` (or one matrix ``[OC, IC]``) into the
     VNNI layout the kernels read (docs/FORMATS.md); byte-identical to SGLang's
@@ -73,13 +83,18 @@ def fused_experts(
     """
     block = list(block_size) if block_size is not None else None
     op = torch.ops.cpumoe.fused_experts_cpu
+    traced_inplace = inplace and _tracing()
+    if traced_inplace:
+        inplace = False  # see _tracing()
     if w1_bias is None and w2_bias is None and alpha is None and limit is None:
-        return op.default(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
-                          int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
-                          is_vnni)
-    return op.bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace, int(moe_comp_method),
-                   w1_scale, w2_scale, w1_zero, w2_zero, block, w1_bias, w2_bias, alpha, limit,
-                   is_vnni)
+        out = op.default(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                         int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
+                         is_vnni)
+    else:
+        out = op.bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                      int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
+                      w1_bias, w2_bias, alpha, limit, is_vnni)
+    return hidden_states.copy_(out) if traced_inplace else out
 
 
 def shared_expert(
@@ -108,6 +123,9 @@ def shared_expert(
             ``routed_scaling_factor`` (both or neither).
     """
     block = list(block_size) if block_size is not None else None
-    return torch.ops.cpumoe.shared_expert_cpu(hidden_states, w1, w2, fused_experts_out,
-                                              routed_scaling_factor, inplace, use_int8_w8a8,
-                                              use_fp8_w8a16, w1_scale, w2_scale, block, is_vnni)
+    traced_inplace = inplace and _tracing()
+    out = torch.ops.cpumoe.shared_expert_cpu(hidden_states, w1, w2, fused_experts_out,
+                                             routed_scaling_factor, inplace and not traced_inplace,
+                                             use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale,
+                                             block, is_vnni)
+    return hidden_states.copy_(out) if traced_inplace else out

@@ -1,0 +1,86 @@
+"""ISA tier selection: cpumoe.isa()/set_isa()/best_isa()/built_isas()/isa_reason() and the
+CPUMOE_ISA environment variable (read once at load, so tested in subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cpumoe
+from cpumoe_testing import BEST_ISA, BUILT_ISAS, SUPPORTED_ISAS, use_isa
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = "import cpumoe; print(cpumoe.isa()); print(cpumoe.isa_reason())"
+
+
+def run_with_env(value):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(REPO, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CPUMOE_ISA", None)
+    if value is not None:
+        env["CPUMOE_ISA"] = value
+    return subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def test_built_isas_and_best():
+    assert BUILT_ISAS[0] == "scalar"
+    assert set(BUILT_ISAS) >= {"scalar", "avx2", "avx512"}
+    assert BEST_ISA in BUILT_ISAS
+    feats = set(cpumoe.cpu_features())
+    if {"avx2", "fma", "f16c"} <= feats:  # the avx2 tier's requirements (DESIGN.md §3)
+        assert "avx2" in SUPPORTED_ISAS
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"} <= feats:
+        assert "avx512" in SUPPORTED_ISAS
+    if "avx2" not in feats:
+        assert BEST_ISA == "scalar"
+
+
+def test_set_isa_roundtrip():
+    start = cpumoe.isa()
+    for tier in SUPPORTED_ISAS:
+        with use_isa(tier):
+            assert cpumoe.isa() == tier
+            assert tier in cpumoe.isa_reason()
+    assert cpumoe.isa() == start
+
+
+def test_set_isa_above_best_falls_back():
+    above = [t for t in BUILT_ISAS if t not in SUPPORTED_ISAS]
+    if not above:
+        pytest.skip(f"this CPU runs every built tier ({BUILT_ISAS})")
+    start = cpumoe.isa()
+    try:
+        cpumoe.set_isa(above[-1])
+        assert cpumoe.isa() == BEST_ISA
+        assert "cannot run" in cpumoe.isa_reason()
+    finally:
+        cpumoe.set_isa(start)
+
+
+def test_set_isa_unknown_name_raises():
+    start = cpumoe.isa()
+    with pytest.raises(RuntimeError, match=r"unknown tier 'avx9000'"):
+        cpumoe.set_isa("avx9000")
+    assert cpumoe.isa() == start
+
+
+def test_env_var_caps_tier():
+    """CPUMOE_ISA=<tier> caps the tier at load; an unknown name is ignored and the
+    reason says so; unset gives the best tier."""
+    values = {None: BEST_ISA, "bogus": BEST_ISA}
+    for tier in BUILT_ISAS:
+        values[tier] = tier if tier in SUPPORTED_ISAS else BEST_ISA
+    procs = {v: run_with_env(v) for v in values}  # in parallel: each imports torch
+    for value, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, (value, err)
+        active, reason = out.strip().splitlines()
+        assert active == values[value], (value, out)
+        if value == "bogus":
+            assert "CPUMOE_ISA=bogus" in reason and "ignored" in reason, reason
+        elif value is not None and value != BEST_ISA and value in SUPPORTED_ISAS:
+            assert "capped by CPUMOE_ISA=" + value in reason, reason
