@@ -67,21 +67,62 @@ void check_scheme(int64_t moe_comp_method, const char *op) {
               ": moe_comp_method must be 0 (bf16/fp16), 1 (int8 w8a8), 2 (fp8 w8a16) or 3 "
               "(int4 w4a8), got ",
               moe_comp_method);
-  TORCH_CHECK(moe_comp_method == 0, op, ": moe_comp_method ", scheme_name(moe_comp_method),
-              " is not implemented in this version of cpumoe; only 0 (bf16/fp16 weights) is");
+  TORCH_CHECK(moe_comp_method == 0 || moe_comp_method == 1, op, ": moe_comp_method ",
+              scheme_name(moe_comp_method),
+              " is not implemented in this version of cpumoe; 0 (bf16/fp16 weights) and 1 (int8 "
+              "w8a8) are");
 }
 
-void check_unused(const std::optional<at::Tensor> &t, const char *name, const char *op) {
-  TORCH_CHECK(!t.has_value(), op, ": ", name,
-              " must be None for moe_comp_method 0 (bf16/fp16 weights carry no scales or zeros)");
+// What a weight scheme expects of w1/w2 and their scales.
+struct SchemeSpec {
+  cpumoe_scheme scheme;
+  const char *label;            // for messages, e.g. "moe_comp_method 1 (int8 w8a8)"
+  at::ScalarType weight_dtype;  // bf16/fp16 weights carry the activation dtype
+  int64_t packed_extra_cols;    // a packed row is IC + this long (int8: 4 bytes of comp)
+  bool channel_scales;          // per output channel fp32 scales required
+};
+
+SchemeSpec scheme_spec(int64_t method, at::ScalarType act) {
+  if (method == 1)
+    return {CPUMOE_SCHEME_INT8_W8A8, "moe_comp_method 1 (int8 w8a8)", at::kChar, 4, true};
+  return {CPUMOE_SCHEME_UNQUANT, "moe_comp_method 0 (bf16/fp16 weights)", act, 0, false};
 }
 
-// Packs [..., OC, IC] 16-bit weights to VNNI-2 (docs/FORMATS.md).
-at::Tensor pack_16bit(const at::Tensor &weight, const char *op) {
+void check_unused(const std::optional<at::Tensor> &t, const char *name, const char *op,
+                  const SchemeSpec &spec) {
+  TORCH_CHECK(!t.has_value(), op, ": ", name, " must be None for ", spec.label);
+}
+
+// Checks a per output channel fp32 scale (INT8: callers pass [E, OC, 1] or [E, OC]).
+const float *channel_scale(const std::optional<at::Tensor> &s, const char *name, const char *op,
+                           int64_t numel) {
+  TORCH_CHECK(s.has_value(), op, ": missing ", name,
+              " for int8 w8a8 (float32 per output channel scales, ", numel, " values)");
+  check_cpu_tensor(*s, name, op);
+  TORCH_CHECK(s->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              dtype_name(s->scalar_type()));
+  TORCH_CHECK(s->numel() == numel, op, ": ", name, " must hold one scale per output channel (",
+              numel, " values), got shape ", s->sizes());
+  TORCH_CHECK(s->is_contiguous(), op, ": ", name, " must be contiguous");
+  return s->data_ptr<float>();
+}
+
+// Packs validated [..., OC, IC] weights (docs/FORMATS.md): VNNI-2 for 16-bit dtypes,
+// VNNI-4 plus int32 compensation ([..., OC, IC + 4]) for int8.
+at::Tensor pack_weight(const at::Tensor &weight, const char *op) {
   const int64_t oc = weight.size(-2), ic = weight.size(-1);
   const int64_t experts = weight.dim() == 3 ? weight.size(0) : 1;
-  at::Tensor packed = at::empty_like(weight, at::MemoryFormat::Contiguous);
   const cpumoe_runner runner = aten_runner();
+  if (weight.scalar_type() == at::kChar) {
+    std::vector<int64_t> shape(weight.sizes().begin(), weight.sizes().end());
+    shape.back() = ic + 4;
+    at::Tensor packed = at::empty(shape, weight.options());
+    check_status(cpumoe_pack_vnni4_int8(weight.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
+                                        experts, oc, ic, &runner),
+                 op);
+    return packed;
+  }
+  at::Tensor packed = at::empty_like(weight, at::MemoryFormat::Contiguous);
   check_status(
       cpumoe_pack_vnni2_16bit(static_cast<const uint16_t *>(weight.data_ptr()),
                               static_cast<uint16_t *>(packed.data_ptr()), experts, oc, ic, &runner),
@@ -96,31 +137,32 @@ at::Tensor convert_weight_packed(const at::Tensor &weight) {
               weight.dim(), "d tensor.");
   TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous");
   const auto t = weight.scalar_type();
-  if (weight.dim() == 2 && weight.size(0) < 16 &&
-      (t == at::kBFloat16 || t == at::kHalf || t == at::kChar || t == at::kFloat8_e4m3fn ||
-       t == at::kByte)) {
+  const bool known = t == at::kBFloat16 || t == at::kHalf || t == at::kChar ||
+                     t == at::kFloat8_e4m3fn || t == at::kByte;
+  TORCH_CHECK(
+      known, op,
+      ": expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4), got ",
+      dtype_name(t));
+  if (weight.dim() == 2 && weight.size(0) < 16) {
     // SGLang's small-OC case: fp32 [IC, OC] for its FMA linear path.
     return weight.to(at::kFloat).t().contiguous();
   }
-  TORCH_CHECK(
-      t == at::kBFloat16 || t == at::kHalf || t == at::kChar || t == at::kFloat8_e4m3fn ||
-          t == at::kByte,
-      op, ": expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4), got ",
-      dtype_name(t));
-  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf, op, ": packing ", dtype_name(t),
-              " weights is not implemented in this version of cpumoe; bfloat16 and float16 are");
-  TORCH_CHECK(weight.size(-2) % 16 == 0, op, ": invalid weight out features ", weight.size(-2),
-              " (must be a multiple of 16)");
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kChar, op, ": packing ",
+              dtype_name(t),
+              " weights is not implemented in this version of cpumoe; bfloat16, float16 and int8 "
+              "are");
+  const int64_t row_block = t == at::kChar ? 32 : 16;
+  TORCH_CHECK(weight.size(-2) % row_block == 0, op, ": invalid weight out features ",
+              weight.size(-2), " (must be a multiple of ", row_block, " for ", dtype_name(t), ")");
   TORCH_CHECK(weight.size(-1) % 32 == 0, op, ": invalid weight input features ", weight.size(-1),
               " (must be a multiple of 32)");
-  if (weight.numel() == 0) return at::empty_like(weight);
-  return pack_16bit(weight, op);
+  if (weight.numel() == 0) {
+    std::vector<int64_t> shape(weight.sizes().begin(), weight.sizes().end());
+    if (t == at::kChar) shape.back() += 4;
+    return at::empty(shape, weight.options());
+  }
+  return pack_weight(weight, op);
 }
-
-struct MoeRun {
-  cpumoe_moe_problem problem{};
-  at::Tensor out;
-};
 
 // One workspace per calling thread, grown on demand and kept: fresh pages are faulted in
 // and zero-filled by the OS on first touch, which on every call would cost ~10 ms for a
@@ -143,18 +185,23 @@ void run_problem(cpumoe_moe_problem &p, const char *op) {
   check_status(cpumoe_fused_experts(&p, workspace, bytes, &runner), op);
 }
 
-// Validates a 16-bit weight against its dtype and logical shape; packs it if needed.
+// Validates w1/w2 against the scheme's dtype and the logical shape [..., OC, IC] (packed:
+// [..., OC, IC + extra]); packs an unpacked weight (is_vnni=False) on the way.
 at::Tensor prepare_weight(const at::Tensor &w, const char *name, const char *op,
-                          at::ScalarType dtype, std::vector<int64_t> shape, bool is_vnni) {
+                          const SchemeSpec &spec, std::vector<int64_t> shape, bool is_vnni) {
   check_cpu_tensor(w, name, op);
+  if (is_vnni) shape.back() += spec.packed_extra_cols;
+  const c10::IntArrayRef expected(shape);
   TORCH_CHECK(w.dim() == static_cast<int64_t>(shape.size()), op, ": ", name, " must be a ",
-              shape.size(), "-D tensor ", c10::IntArrayRef(shape), ", got shape ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == dtype, op, ": ", name, " must have the dtype of hidden_states (",
-              dtype_name(dtype), ") for moe_comp_method 0, got ", dtype_name(w.scalar_type()));
-  TORCH_CHECK(w.sizes() == c10::IntArrayRef(shape), op, ": ", name, " must have shape ",
-              c10::IntArrayRef(shape), ", got ", w.sizes());
+              shape.size(), "-D tensor ", expected, ", got shape ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == spec.weight_dtype, op, ": ", name, " must be ",
+              dtype_name(spec.weight_dtype), " for ", spec.label, ", got ",
+              dtype_name(w.scalar_type()));
+  TORCH_CHECK(w.sizes() == expected, op, ": ", name, " must have shape ", expected,
+              is_vnni && spec.packed_extra_cols ? " (packed by convert_weight_packed)" : "",
+              ", got ", w.sizes());
   TORCH_CHECK(w.is_contiguous(), op, ": ", name, " must be contiguous");
-  return is_vnni ? w : pack_16bit(w, op);
+  return is_vnni ? w : pack_weight(w, op);
 }
 
 void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
@@ -177,11 +224,15 @@ at::Tensor fused_experts_impl(
   check_scheme(moe_comp_method, op);
   check_dense(hidden_states, "hidden_states", op, 2);
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
-  check_unused(w1_scale, "w1_scale", op);
-  check_unused(w2_scale, "w2_scale", op);
-  check_unused(w1_zero, "w1_zero", op);
-  check_unused(w2_zero, "w2_zero", op);
-  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for moe_comp_method 0");
+  const at::ScalarType dt = hidden_states.scalar_type();
+  const SchemeSpec spec = scheme_spec(moe_comp_method, dt);
+  if (!spec.channel_scales) {
+    check_unused(w1_scale, "w1_scale", op, spec);
+    check_unused(w2_scale, "w2_scale", op, spec);
+  }
+  check_unused(w1_zero, "w1_zero", op, spec);
+  check_unused(w2_zero, "w2_zero", op, spec);
+  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for ", spec.label);
 
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
@@ -191,12 +242,12 @@ at::Tensor fused_experts_impl(
   TORCH_CHECK(w1.size(1) % 2 == 0 && N > 0, op,
               ": w1.size(1) must be 2N (gate and up rows), a positive even number, got ",
               w1.size(1));
-  TORCH_CHECK(w1.size(2) == K, op, ": w1 must be [E, 2N, K] with K = hidden_states.size(1) = ", K,
-              ", got shape ", w1.sizes());
   check_mlp_sizes(K, N, op);
-  const at::ScalarType dt = hidden_states.scalar_type();
-  const at::Tensor pw1 = prepare_weight(w1, "w1", op, dt, {E, 2 * N, K}, is_vnni);
-  const at::Tensor pw2 = prepare_weight(w2, "w2", op, dt, {E, K, N}, is_vnni);
+  const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {E, 2 * N, K}, is_vnni);
+  const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {E, K, N}, is_vnni);
+  const float *s1 =
+      spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, E * 2 * N) : nullptr;
+  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, E * K) : nullptr;
 
   check_cpu_tensor(topk_weights, "topk_weights", op);
   check_cpu_tensor(topk_ids, "topk_ids", op);
@@ -241,8 +292,10 @@ at::Tensor fused_experts_impl(
   at::Tensor out = inplace ? hidden_states : at::empty_like(hidden_states);
   cpumoe_moe_problem p{};
   p.M = M, p.K = K, p.N = N, p.E = E, p.topk = ids.size(1);
-  p.scheme = CPUMOE_SCHEME_UNQUANT;
+  p.scheme = spec.scheme;
   p.act_dtype = adt;
+  p.w1_scale = s1;
+  p.w2_scale = s2;
   p.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
   p.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   p.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
@@ -295,17 +348,20 @@ at::Tensor shared_expert_cpu(
     bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, at::OptionalIntArrayRef block_size, bool is_vnni) {
   const char *op = "shared_expert_cpu";
-  TORCH_CHECK(!use_int8_w8a8, op,
-              ": use_int8_w8a8=True is not implemented in this version of cpumoe; bf16/fp16 "
-              "weights are");
+  TORCH_CHECK(!(use_int8_w8a8 && use_fp8_w8a16), op,
+              ": use_int8_w8a8 and use_fp8_w8a16 cannot both be True");
   TORCH_CHECK(!use_fp8_w8a16, op,
-              ": use_fp8_w8a16=True is not implemented in this version of cpumoe; bf16/fp16 "
-              "weights are");
-  TORCH_CHECK(!w1_scale.has_value() && !w2_scale.has_value(), op,
-              ": w1_scale and w2_scale must be None for bf16/fp16 weights");
-  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for bf16/fp16 weights");
+              ": use_fp8_w8a16=True is not implemented in this version of cpumoe; bf16/fp16 and "
+              "int8 w8a8 weights are");
   check_dense(hidden_states, "hidden_states", op, 2);
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
+  const at::ScalarType dt = hidden_states.scalar_type();
+  const SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : 0, dt);
+  if (!spec.channel_scales) {
+    check_unused(w1_scale, "w1_scale", op, spec);
+    check_unused(w2_scale, "w2_scale", op, spec);
+  }
+  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for ", spec.label);
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
   TORCH_CHECK(w1.dim() == 2, op, ": w1 must be a 2-D tensor [2N, K], got shape ", w1.sizes());
@@ -313,12 +369,11 @@ at::Tensor shared_expert_cpu(
   TORCH_CHECK(w1.size(0) % 2 == 0 && N > 0, op,
               ": w1.size(0) must be 2N (gate and up rows), a positive even number, got ",
               w1.size(0));
-  TORCH_CHECK(w1.size(1) == K, op, ": w1 must be [2N, K] with K = hidden_states.size(1) = ", K,
-              ", got shape ", w1.sizes());
   check_mlp_sizes(K, N, op);
-  const at::ScalarType dt = hidden_states.scalar_type();
-  const at::Tensor pw1 = prepare_weight(w1, "w1", op, dt, {2 * N, K}, is_vnni);
-  const at::Tensor pw2 = prepare_weight(w2, "w2", op, dt, {K, N}, is_vnni);
+  const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {2 * N, K}, is_vnni);
+  const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {K, N}, is_vnni);
+  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, 2 * N) : nullptr;
+  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, K) : nullptr;
   TORCH_CHECK(fused_experts_out.has_value() == routed_scaling_factor.has_value(), op,
               ": fused_experts_out and routed_scaling_factor must be given together (got only ",
               fused_experts_out.has_value() ? "fused_experts_out" : "routed_scaling_factor", ")");
@@ -334,7 +389,9 @@ at::Tensor shared_expert_cpu(
   at::Tensor out = inplace ? hidden_states : at::empty_like(hidden_states);
   cpumoe_moe_problem p{};
   p.M = M, p.K = K, p.N = N, p.E = 1, p.topk = 1;
-  p.scheme = CPUMOE_SCHEME_UNQUANT;
+  p.scheme = spec.scheme;
+  p.w1_scale = s1;
+  p.w2_scale = s2;
   p.act_dtype = adt;
   p.activation = CPUMOE_ACT_SILU_MUL;
   p.x = hidden_states.data_ptr();
@@ -423,5 +480,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "workspace_bytes", [] { return cached_workspace.defined() ? cached_workspace.nbytes() : 0; },
       "bytes of the calling thread's cached op workspace");
   m.def("probe_read", &probe_read, "stream a buffer `passes` times on torch's threads");
+  m.def(
+      "probe_int8",
+      [](int64_t iterations) {
+        const cpumoe_runner runner = aten_runner();
+        return cpumoe_probe_int8(iterations, &runner);
+      },
+      "u8*s8 ops done by `iterations` of the int8 peak loop per thread (VNNI on avx512)");
   m.def("probe_fma", &probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
 }

@@ -18,6 +18,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import (
     _C,  # noqa: F401  (registers torch.ops.cpumoe.*)
     _fake,  # noqa: F401  (meta kernels for torch.compile)
+    quant,  # noqa: F401  (quantization helpers: cpumoe.quant)
     reference,  # noqa: F401  (the executable spec: cpumoe.reference)
 )
 from .ops import (

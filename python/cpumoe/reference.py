@@ -9,7 +9,11 @@ describes, with unpacked weights, and reproduces its rounding points:
 * the topk weight applied after w2 (and after its bias), in float32;
 * the sum over the topk slots, and any residual, in float32, rounded once.
 
-Summation order inside a GEMM differs from the kernels', so tests compare with
+INT8 W8A8 (moe_comp_method=1) quantizes each GEMM input row to int8 on the fly
+(:func:`quantize_rows_int8`), multiplies exactly in integers and dequantizes with
+``(acc * row_scale) * channel_scale`` in fp32 — the kernels' exact operation order.
+
+Summation order inside a 16-bit GEMM differs from the kernels', so tests compare with
 a tolerance per scheme (see tests/), never bit for bit.
 """
 
@@ -58,6 +62,54 @@ def expert_mlp(
     return y
 
 
+INT8_MIN_AMAX = 1e-7  # floor of a row's absmax before quantizing (all-zero rows)
+
+
+def quantize_rows_int8(x: torch.Tensor):
+    """Dynamic symmetric per-row quantization of fp32 rows ``x [T, L]``:
+    ``amax = max(max|x|, 1e-7)``, ``q = clamp(round_half_even(x * (127 / amax)), -127, 127)``.
+    Returns ``(q, scale)`` with q as float32 integers and ``scale = amax / 127`` [T].
+    The kernels store ``q + 128`` as uint8. A row holding NaN gets a NaN scale."""
+    x = x.float()
+    amax = x.abs().amax(-1).clamp_min(INT8_MIN_AMAX)
+    q = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127)
+    return torch.nan_to_num(q, nan=0.0), amax / 127
+
+
+def int8_linear(q: torch.Tensor, row_scale: torch.Tensor, w: torch.Tensor,
+                channel_scale: torch.Tensor) -> torch.Tensor:
+    """``(q @ w.T)`` summed exactly (integers), then ``(acc * row_scale) * channel_scale``
+    in fp32. q [T, L] integer-valued, w int8 [OC, L], scales fp32 [T] and [OC]."""
+    acc = (q.double() @ w.double().t()).float()
+    return (acc * row_scale[:, None]) * channel_scale.reshape(-1).float()[None, :]
+
+
+def expert_mlp_int8(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+) -> torch.Tensor:
+    """One INT8 W8A8 expert on rows x [T, K] (16-bit): int8 w1 [2N, K], w2 [K, N] (unpacked)
+    with per output channel scales; both GEMM inputs quantized per row. Returns fp32 [T, K]."""
+    q, s = quantize_rows_int8(x.float())
+    h = int8_linear(q, s, w1, w1_scale)
+    if b1 is not None:
+        h = h + b1.float()
+    a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
+    a = a.to(x.dtype).float()
+    q2, s2 = quantize_rows_int8(a)
+    y = int8_linear(q2, s2, w2, w2_scale)
+    if b2 is not None:
+        y = y + b2.float()
+    return y
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -68,12 +120,16 @@ def fused_experts(
     w2_bias: Optional[torch.Tensor] = None,
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
+    moe_comp_method: int = 0,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Reference of `fused_experts_cpu` with moe_comp_method=0 and unpacked weights.
+    """Reference of `fused_experts_cpu` with unpacked weights.
 
-    hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N]; topk_weights and
-    topk_ids [M, topk]; an id of -1 skips its slot. Returns [M, K] in the dtype of
-    hidden_states.
+    hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N] (16-bit for method 0,
+    int8 with per output channel scales w1_scale [E, 2N(, 1)], w2_scale [E, K(, 1)] for
+    method 1); topk_weights and topk_ids [M, topk]; an id of -1 skips its slot.
+    Returns [M, K] in the dtype of hidden_states.
     """
     M, K = hidden_states.shape
     out = torch.zeros(M, K, dtype=torch.float32)
@@ -83,15 +139,13 @@ def fused_experts(
         if e < 0:
             continue
         rows, slots = (ids == e).nonzero(as_tuple=True)
-        y = expert_mlp(
-            hidden_states[rows],
-            w1[e],
-            w2[e],
-            None if w1_bias is None else w1_bias[e],
-            None if w2_bias is None else w2_bias[e],
-            alpha,
-            limit,
-        )
+        b1 = None if w1_bias is None else w1_bias[e]
+        b2 = None if w2_bias is None else w2_bias[e]
+        if moe_comp_method == 1:
+            y = expert_mlp_int8(hidden_states[rows], w1[e], w1_scale[e], w2[e], w2_scale[e],
+                                b1, b2, alpha, limit)
+        else:
+            y = expert_mlp(hidden_states[rows], w1[e], w2[e], b1, b2, alpha, limit)
         contrib = torch.zeros(M, ids.shape[1], K, dtype=torch.float32)
         contrib[rows, slots] = y * weights[rows, slots, None]
         out += contrib.sum(1)
@@ -104,10 +158,17 @@ def shared_expert(
     w2: torch.Tensor,
     fused_experts_out: Optional[torch.Tensor] = None,
     routed_scaling_factor: Optional[float] = None,
+    use_int8_w8a8: bool = False,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Reference of `shared_expert_cpu` with 16-bit unpacked weights w1 [2N, K], w2 [K, N]:
+    """Reference of `shared_expert_cpu` with unpacked weights w1 [2N, K], w2 [K, N]
+    (16-bit, or int8 with scales [2N(, 1)], [K(, 1)]):
     mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once."""
-    y = expert_mlp(hidden_states, w1, w2)
+    if use_int8_w8a8:
+        y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale)
+    else:
+        y = expert_mlp(hidden_states, w1, w2)
     if fused_experts_out is not None:
         y = y + routed_scaling_factor * fused_experts_out.float()
     return y.to(hidden_states.dtype)
@@ -124,3 +185,16 @@ def pack_vnni2(weight: torch.Tensor) -> torch.Tensor:
         nsz = blk.shape[1]
         blocks.append(blk.reshape(-1, nsz, ic // 2, 2).permute(0, 2, 1, 3).reshape(-1, nsz * ic))
     return torch.cat(blocks, dim=1).reshape(*lead, oc, ic)
+
+
+def pack_vnni4_int8(weight: torch.Tensor) -> torch.Tensor:
+    """Reference of `convert_weight_packed` for int8 [..., OC, IC] -> [..., OC, IC + 4]: blocks
+    of 32 rows, each 32*IC bytes stored [IC/4][32][4], then int32 comp[32] = 128 * row sums
+    (docs/FORMATS.md)."""
+    *lead, oc, ic = weight.shape
+    w = weight.reshape(-1, oc // 32, 32, ic)
+    body = w.reshape(w.shape[0], oc // 32, 32, ic // 4, 4).permute(0, 1, 3, 2, 4)
+    body = body.reshape(w.shape[0], oc // 32, 32 * ic)
+    comp = (128 * w.to(torch.int32).sum(-1)).to(torch.int32)  # [B, blocks, 32]
+    comp_bytes = comp.contiguous().view(torch.int8).reshape(w.shape[0], oc // 32, 128)
+    return torch.cat([body, comp_bytes], dim=-1).reshape(*lead, oc, ic + 4)
