@@ -1,10 +1,13 @@
 /*
- * Machine-limit probes, AVX2 tier (see probe-avx512.c): 32-byte loads into 8
- * integer adds; 12 independent ymm FMA chains (of 16 registers) for the peak.
+ * Machine-limit probes, AVX2 tier (see probe-avx512.c): 32-byte loads into 8 integer
+ * adds; 12 independent ymm chains (of 16 registers) for the FMA and int8 peaks, held in
+ * named variables behind an empty asm so they stay in registers.
  */
 #include <immintrin.h>
 
 #include "common/ukernels.h"
+
+volatile double cm_probe_sink_avx2;
 
 double cm_probe_read_chunk__avx2(const void *buffer, size_t bytes) {
   const char *p = (const char *)buffer;
@@ -20,36 +23,48 @@ double cm_probe_read_chunk__avx2(const void *buffer, size_t bytes) {
   return (double)(out[0] + out[1] + out[2] + out[3]);
 }
 
+#define CM_CHAINS12(OP)                                                                      \
+  c0 = OP(c0), c1 = OP(c1), c2 = OP(c2), c3 = OP(c3), c4 = OP(c4), c5 = OP(c5), c6 = OP(c6), \
+  c7 = OP(c7), c8 = OP(c8), c9 = OP(c9), c10 = OP(c10), c11 = OP(c11);                       \
+  __asm__ volatile("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5));         \
+  __asm__ volatile("" : "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9), "+x"(c10), "+x"(c11))
+
 double cm_probe_fma_loop__avx2(int64_t iterations) {
-  __m256 acc[12];
   const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps((float)i);
+  __m256 c0 = x, c1 = x, c2 = x, c3 = x, c4 = x, c5 = x, c6 = x, c7 = x, c8 = x, c9 = x, c10 = x,
+         c11 = x;
+#define CM_FMA(c) _mm256_fmadd_ps(c, x, y)
   for (int64_t it = 0; it < iterations; it++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(acc[i], x, y);
-    __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[6]), "+x"(acc[11]));
+    CM_CHAINS12(CM_FMA);
   }
+#undef CM_FMA
+  const __m256 sum =
+      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
+                                  _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7))),
+                    _mm256_add_ps(_mm256_add_ps(c8, c9), _mm256_add_ps(c10, c11)));
   float out[8];
-  for (int i = 1; i < 12; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
-  _mm256_storeu_ps(out, acc[0]);
-  (void)out[0];
+  _mm256_storeu_ps(out, sum);
+  cm_probe_sink_avx2 = out[0];
   return (double)iterations * 12.0 * 8.0 * 2.0;
 }
 
-/* int8 peak of this tier's exact method (int8/gemm-avx2.c): vpmaddwd + vpaddd chains on
+/* int8 peak of this tier's exact method (int8/gemm-avx2.c): vpmaddwd + vpaddd on
  * int16-widened operands; 8 lanes x 2 products x 2 ops = 32 ops per pair. */
 double cm_probe_int8_loop__avx2(int64_t iterations) {
-  __m256i acc[12];
   const __m256i x = _mm256_set1_epi16(3), y = _mm256_set1_epi16(-2);
-  for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i);
+  __m256i c0 = x, c1 = x, c2 = x, c3 = x, c4 = x, c5 = x, c6 = x, c7 = x, c8 = x, c9 = x, c10 = x,
+          c11 = x;
+#define CM_MADD(c) _mm256_add_epi32(c, _mm256_madd_epi16(c, y)) /* depends on c: not hoisted */
   for (int64_t it = 0; it < iterations; it++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(x, y));
-    __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[6]), "+x"(acc[11]));
+    CM_CHAINS12(CM_MADD);
   }
+#undef CM_MADD
+  const __m256i sum = _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
+      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
   int out[8];
-  for (int i = 1; i < 12; i++) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
-  _mm256_storeu_si256((__m256i *)out, acc[0]);
-  (void)out[0];
+  _mm256_storeu_si256((__m256i *)out, sum);
+  cm_probe_sink_avx2 = out[0];
   return (double)iterations * 12.0 * 32.0;
 }
