@@ -140,10 +140,52 @@ def test_noncontiguous_error():
         cpumoe.convert_weight_packed(w3)
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.uint8],
-                         ids=["int8", "fp8", "uint8"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8], ids=["fp8", "uint8"])
 def test_quantized_not_implemented(dtype):
     w = torch.zeros(2, 32, 64, dtype=dtype)
     with pytest.raises(RuntimeError, match=r"convert_weight_packed: packing \w+ weights is not "
                                            r"implemented"):
+        cpumoe.convert_weight_packed(w)
+
+
+def int8_formula_pack(w: torch.Tensor) -> torch.Tensor:
+    """REFERENCE.md §7.1, int8: blocks of 32 rows; in a block
+    dst[(k/4)*32*4 + n*4 + (k%4)] = W[n][k], then int32 comp[n] = 128 * sum_k W[n][k]
+    at byte 32*IC; a block is 32*(IC+4) bytes; shape [..., OC, IC+4]."""
+    src = w.reshape(-1, *w.shape[-2:])
+    E, OC, IC = src.shape
+    out = torch.zeros(E, OC * (IC + 4), dtype=torch.int8)
+    for e in range(E):
+        for b in range(OC // 32):
+            blk = src[e, 32 * b: 32 * b + 32]  # [32, IC]
+            vnni = blk.reshape(32, IC // 4, 4).permute(1, 0, 2).reshape(-1)
+            comp = (blk.to(torch.int32).sum(1) * 128).to(torch.int32).view(torch.int8)
+            base = 32 * b * (IC + 4)
+            out[e, base: base + 32 * IC] = vnni
+            out[e, base + 32 * IC: base + 32 * (IC + 4)] = comp
+    return out.view(*w.shape[:-1], IC + 4)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (2, 32, 96), (3, 64, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_int8_vnni4_layout(shape):
+    """int8 packing (INT8 W8A8 weights), if this build has it: byte-identical to the
+    formula of REFERENCE.md §7.1."""
+    w = torch.randint(-128, 128, shape, dtype=torch.int8)
+    try:
+        packed = cpumoe.convert_weight_packed(w)
+    except RuntimeError as e:
+        if "not implemented" in str(e):
+            pytest.skip(f"int8 packing not in this build: {e}")
+        raise
+    assert packed.dtype == torch.int8
+    assert packed.shape == (*shape[:-1], shape[-1] + 4)
+    assert torch.equal(packed, int8_formula_pack(w))
+
+
+def test_int8_oc_not_multiple_of_32():
+    """int8 blocks must be full (SGLang: TORCH_CHECK(N == BLOCK_N)): OC % 32 == 16 is an
+    error, or "not implemented" in builds without int8 packing, never a partial block."""
+    w = torch.zeros(2, 48, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"out features|not implemented|multiple of 32"):
         cpumoe.convert_weight_packed(w)
