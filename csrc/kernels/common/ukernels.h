@@ -35,9 +35,13 @@
 typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, size_t a_stride,
                                   const uint16_t *b_tile, float *c);
 
-/* C[mr][32] = A_panel u8 [k/4][a_stride][4] x B_tile s8 VNNI-4 [k/4][32][4], exact int32 */
-typedef void (*cm_gemm_s32acc_fn)(size_t mr, size_t k, const uint8_t *a_panel, size_t a_stride,
-                                  const int8_t *b_tile, int32_t *c);
+/* INT8 W8A8 tile with fused dequantization:
+ *   acc[r][n] = sum_k A_panel[r][k] * B[k][n]     exact int32; A u8 [k/4][a_stride][4],
+ *                                                 B s8 VNNI-4 [k/4][32][4] then int32 comp[32]
+ *   C[r][n]   = ((float)(acc[r][n] - comp[n]) * a_scale[r]) * w_scale[n]    (fp32, this order) */
+typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t k, const uint8_t *a_panel, size_t a_stride,
+                                const int8_t *b_tile, const float *a_scale, const float *w_scale,
+                                float *c);
 
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
@@ -68,7 +72,7 @@ typedef struct cm_ukernels {
   cm_narrow_fn narrow_bf16, narrow_f16;
   cm_round_fn round_bf16, round_f16;
   cm_axpy_fn axpy;
-  cm_gemm_s32acc_fn gemm_u8s8; /* INT8 W8A8 */
+  cm_gemm_u8s8_fn gemm_u8s8; /* INT8 W8A8 */
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
   /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
@@ -94,8 +98,8 @@ const cm_ukernels *cm_active_ukernels(void);
   void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
   float cm_absmax__##tier(size_t, const float *, float);                                          \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
-  void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
-                                         int32_t *);                                              \
+  void cm_u8s8_gemm_dq_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *,     \
+                                     const float *, const float *, float *);                      \
   double cm_probe_int8_loop__##tier(int64_t);                                                     \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
                                          float *);                                                \

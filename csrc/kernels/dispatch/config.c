@@ -34,7 +34,7 @@
       .probe_read = cm_probe_read_chunk__##tier,      \
       .probe_fma = cm_probe_fma_loop__##tier,         \
       .probe_int8 = cm_probe_int8_loop__##tier,       \
-      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+      .gemm_u8s8 = cm_u8s8_gemm_dq_mrx32__##tier, \
       .absmax = cm_absmax__##tier,                    \
       .quantize_u8 = cm_quantize_u8__##tier,          \
   }

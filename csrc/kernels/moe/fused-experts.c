@@ -12,8 +12,10 @@
  * STAGES per chunk of at most CM_CHUNK_TOKENS tokens (bounds the workspace):
  *   route   serial: validate ids, counting-sort the M*topk slots by expert (stable),
  *           cut each expert's slots into panels of `mr` rows, panels into blocks.
+ *   prep    INT8 only, task per token: quantize the x row once (u8 + scale); a token
+ *           appears in topk slots, so this is not repeated per slot.
  *   pack1   task per panel: gather the x rows into the scheme's A panel (fp32 for
- *           16-bit weights; per-row quantized u8 for INT8).
+ *           16-bit weights, widened here; u8 dwords for INT8).
  *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1
  *           (dequantized by the scheme), bias, activation, rounding -> mid [slot, N].
  *   pack2   task per panel: mid rows into the scheme's A panel of gemm2.
@@ -68,7 +70,7 @@ static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t til
 
 /* Workspace regions for one chunk; all sizes derive from the problem and mr only. */
 typedef struct cm_layout {
-  size_t offsets, sorted, weights, panels, blocks, a1, as1, mid, a2, as2, y, total;
+  size_t offsets, sorted, weights, panels, blocks, xq, xs, a1, as1, mid, midq, a2, as2, y, total;
   int64_t slots, max_panels;
 } cm_layout;
 
@@ -87,7 +89,12 @@ static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
   l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
-  /* A panels hold at most 4 bytes per element (fp32), scales one float per row */
+  /* INT8 rows quantized once per token (xq, xs) and once per mid row (midq); A panels
+   * hold at most 4 bytes per element (fp32), scales one float per row */
+  const int int8 = p->scheme == CPUMOE_SCHEME_INT8_W8A8;
+  l.xq = at, at = align64(at + (int8 ? (size_t)(chunk * p->K) : 0));
+  l.xs = at, at = align64(at + (int8 ? sizeof(float) * (size_t)chunk : 0));
+  l.midq = at, at = align64(at + (int8 ? (size_t)(l.slots * p->N) : 0));
   l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
   l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
@@ -181,6 +188,8 @@ size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
 typedef struct cm_run cm_run;
 
 typedef struct cm_scheme_impl {
+  /* Optional per-token preparation of the chunk's token t (e.g. quantizing its x row). */
+  void (*prepare_token)(const cm_run *r, int64_t t);
   /* Writes the panel's rows into its A panel of `stage` (1: x rows of the panel's
    * tokens, reduction K; 2: mid rows, reduction N), with per-row scales if any. */
   void (*pack_panel)(const cm_run *r, const cm_panel *pn, int stage);
@@ -205,6 +214,9 @@ struct cm_run {
   void *a[2];        /* A panels of gemm1 and gemm2 */
   float *a_scale[2]; /* per-row activation scales (INT8), by sorted position */
   float *mid;        /* [slots, N] rounded intermediate, by sorted position */
+  uint8_t *xq;       /* INT8: [mc, K] quantized x rows (u8 = q + 128) ... */
+  float *xs;         /* ... and their scales */
+  uint8_t *midq;     /* INT8: [slots, N] quantized mid rows */
   float *y;          /* [slots, K] weighted expert outputs, by chunk-local slot */
 };
 
@@ -252,35 +264,58 @@ static void gemm_tile_16bit(const cm_run *r, const cm_panel *pn, int stage, int6
   gemm((size_t)pn->rows, (size_t)red, panel, (size_t)pn->rows, w, c);
 }
 
-static const cm_scheme_impl cm_scheme_16bit = {pack_panel_f32, gemm_tile_16bit};
+static const cm_scheme_impl cm_scheme_16bit = {NULL, pack_panel_f32, gemm_tile_16bit};
 
 /* ---- INT8 W8A8: per-row u8 panels [red/4][rows][4] with scales, u8 x s8 micro-kernels ---- */
 
+/* Scale of a row from its absmax (floored for all-zero rows; NaN stays NaN); returns 127/amax. */
+static float int8_row_scale(float amax, float *scale) {
+  if (!(amax >= CM_INT8_MIN_AMAX)) amax = amax != amax ? amax : CM_INT8_MIN_AMAX;
+  *scale = amax / 127.0f;
+  return 127.0f / amax;
+}
+
+static void prepare_token_int8(const cm_run *r, int64_t t) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K;
+  const uint16_t *x = (const uint16_t *)p->x + (r->m0 + t) * K;
+  float tmp[CM_PACK_COLS], amax = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
+    r->widen(n, x + k0, tmp);
+    amax = r->uk->absmax(n, tmp, amax);
+  }
+  const float inv_scale = int8_row_scale(amax, &r->xs[t]);
+  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
+    r->widen(n, x + k0, tmp);
+    r->uk->quantize_u8(n, tmp, inv_scale, r->xq + (size_t)(t * K + k0));
+  }
+}
+
 static void pack_panel_u8(const cm_run *r, const cm_panel *pn, int stage) {
+  const cpumoe_moe_problem *p = r->p;
   const int64_t red = stage_reduction(r, stage);
   const size_t rows = (size_t)pn->rows;
   uint8_t *panel = (uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
   float *scale = r->a_scale[stage - 1] + pn->first;
-  float tmp[CM_PACK_COLS], inv_scale[CM_MR_MAX];
-  uint8_t q[CM_MR_MAX][CM_PACK_COLS];
+  const uint8_t *src[CM_MR_MAX];
   for (size_t i = 0; i < rows; i++) {
-    float amax = 0.0f;
-    for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
-      const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
-      amax = r->uk->absmax(n, row_chunk(r, pn, stage, i, k0, n, tmp), amax);
+    const int64_t pos = pn->first + (int64_t)i;
+    if (stage == 1) { /* the token's row, quantized once by prepare_token_int8 */
+      const int64_t t = r->sorted[pos] / p->topk;
+      src[i] = r->xq + (size_t)(t * red);
+      scale[i] = r->xs[t];
+    } else { /* this slot's own intermediate row */
+      const float *m = r->mid + (size_t)(pos * red);
+      uint8_t *q = r->midq + (size_t)(pos * red);
+      const float inv_scale = int8_row_scale(r->uk->absmax((size_t)red, m, 0.0f), &scale[i]);
+      r->uk->quantize_u8((size_t)red, m, inv_scale, q);
+      src[i] = q;
     }
-    if (!(amax >= CM_INT8_MIN_AMAX)) amax = amax != amax ? amax : CM_INT8_MIN_AMAX; /* 0 or NaN */
-    scale[i] = amax / 127.0f;
-    inv_scale[i] = 127.0f / amax;
   }
-  for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
-    const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
-    for (size_t i = 0; i < rows; i++)
-      r->uk->quantize_u8(n, row_chunk(r, pn, stage, i, k0, n, tmp), inv_scale[i], q[i]);
-    uint8_t *dst = panel + (size_t)k0 * rows;
-    for (size_t kq = 0; kq < n / 4; kq++)
-      for (size_t i = 0; i < rows; i++) memcpy(dst + (kq * rows + i) * 4, q[i] + 4 * kq, 4);
-  }
+  for (size_t kq = 0; kq < (size_t)red / 4; kq++)
+    for (size_t i = 0; i < rows; i++) memcpy(panel + (kq * rows + i) * 4, src[i] + 4 * kq, 4);
 }
 
 static void gemm_tile_int8(const cm_run *r, const cm_panel *pn, int stage, int64_t row0, float *c) {
@@ -290,20 +325,14 @@ static void gemm_tile_int8(const cm_run *r, const cm_panel *pn, int stage, int64
   const int8_t *w = (const int8_t *)(stage == 1 ? p->w1 : p->w2) +
                     (size_t)pn->expert * (size_t)(out_rows * (red + 4)) +
                     (size_t)(row0 * (red + 4));
-  int32_t comp[CM_NR], acc[CM_MR_MAX * CM_NR];
-  memcpy(comp, w + 32 * red, sizeof comp);
-  r->uk->gemm_u8s8((size_t)pn->rows, (size_t)red,
-                   (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red,
-                   (size_t)pn->rows, w, acc);
   const float *w_scale =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)pn->expert * (size_t)out_rows + row0;
-  const float *a_scale = r->a_scale[stage - 1] + pn->first;
-  for (int32_t i = 0; i < pn->rows; i++)
-    for (int j = 0; j < CM_NR; j++)
-      c[i * CM_NR + j] = ((float)(acc[i * CM_NR + j] - comp[j]) * a_scale[i]) * w_scale[j];
+  r->uk->gemm_u8s8((size_t)pn->rows, (size_t)red,
+                   (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red,
+                   (size_t)pn->rows, w, r->a_scale[stage - 1] + pn->first, w_scale, c);
 }
 
-static const cm_scheme_impl cm_scheme_int8 = {pack_panel_u8, gemm_tile_int8};
+static const cm_scheme_impl cm_scheme_int8 = {prepare_token_int8, pack_panel_u8, gemm_tile_int8};
 
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
@@ -343,6 +372,11 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
   r->n_blocks = n_blocks;
 }
 
+static void prepare_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  r->impl->prepare_token(r, t);
+}
+
 static void pack1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   r->impl->pack_panel(r, &r->panels[t], 1);
@@ -372,23 +406,21 @@ static void gemm1_task(void *ctx, int64_t t) {
     r->impl->gemm_tile(r, pn, 1, row1, c1);
     const float *bias = p->w1_bias ? p->w1_bias + (size_t)pn->expert * (size_t)(2 * N) : NULL;
     for (int32_t i = 0; i < pn->rows; i++) {
-      const float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
-      for (int j = 0; j < CM_NR; j++) {
-        if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
+      float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
+      float *out = r->mid + (size_t)(pn->first + i) * (size_t)N + (size_t)(32 * tile);
+      if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
+        for (int j = 0; j < CM_NR; j++) {
           const float *h = j < 16 ? h0 : h1;
           const int jj = 2 * (j & 15);
           gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
           up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
-        } else {
-          gate[j] = h0[j] + (bias ? bias[row0 + j] : 0.0f);
-          up[j] = h1[j] + (bias ? bias[row1 + j] : 0.0f);
         }
-      }
-      float *out = r->mid + (size_t)(pn->first + i) * (size_t)N + (size_t)(32 * tile);
-      if (swiglu)
         r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
-      else
-        r->uk->silu_mul(CM_NR, gate, up, out);
+      } else {
+        if (bias)
+          for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
+        r->uk->silu_mul(CM_NR, h0, h1, out);
+      }
       r->round16(CM_NR, out);
     }
   }
@@ -466,6 +498,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
       .a = {ws + l.a1, ws + l.a2},
       .a_scale = {(float *)(ws + l.as1), (float *)(ws + l.as2)},
       .mid = (float *)(ws + l.mid),
+      .xq = (uint8_t *)(ws + l.xq),
+      .xs = (float *)(ws + l.xs),
+      .midq = (uint8_t *)(ws + l.midq),
       .y = (float *)(ws + l.y),
   };
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
@@ -476,6 +511,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
                 (cm_block *)(ws + l.blocks));
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
+    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r);
     cm_parallel_tasks(runner, n_panels, pack1_task, &r);
     cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
     cm_parallel_tasks(runner, n_panels, pack2_task, &r);
