@@ -201,6 +201,46 @@ def cpu_busy_fraction(interval: float = 0.25) -> Optional[float]:
     return None if t1 == t0 else max(0.0, 1.0 - (i1 - i0) / (t1 - t0))
 
 
+class OthersLoad:
+    """Context manager: the share of all CPUs' capacity used by *other* processes (and
+    stolen by the hypervisor) while the block runs: (busy jiffies of all CPUs from
+    /proc/stat + steal - this process's CPU time) / (CPUs x wall time). ``fraction`` is
+    None where /proc/stat is unavailable. On a 2-core machine anything above ~0.1 means
+    the block's timings are disturbed."""
+
+    def __init__(self):
+        self.fraction: Optional[float] = None
+
+    @staticmethod
+    def _busy_seconds() -> Optional[float]:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        v += [0] * (8 - len(v))
+        user, nice, system, _idle, _iowait, irq, softirq, steal = v
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> "OthersLoad":
+        self._busy0 = self._busy_seconds()
+        t = os.times()
+        self._own0 = t.user + t.system
+        self._wall0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy1 = self._busy_seconds()
+        t = os.times()
+        own = t.user + t.system - self._own0
+        wall = time.perf_counter() - self._wall0
+        if busy1 is None or self._busy0 is None or wall <= 0:
+            return
+        ncpu = os.cpu_count() or 1
+        # jiffies are coarse (10 ms): clamp small negative noise to 0
+        self.fraction = max(0.0, (busy1 - self._busy0 - own) / (ncpu * wall))
+
+
 def machine_info() -> dict:
     """What ``python -m cpumoe info`` prints, as a dict (also the JSON ``machine`` block)."""
     from . import __version__
@@ -476,25 +516,29 @@ def run_case(
         routings = make_routings(n, M, E, topk, g)
         times: List[float] = []
         out_c = None
-        for i, r in enumerate(routings):
-            t, out = _timed(call_cpumoe, r)
-            times.append(t)
-            if i == 0:
-                out_c = out
-            report(share * (i + 1) / n, f"{label}: cpumoe {i + 1}/{n}")
+        with OthersLoad() as load_c:
+            for i, r in enumerate(routings):
+                t, out = _timed(call_cpumoe, r)
+                times.append(t)
+                if i == 0:
+                    out_c = out
+                report(share * (i + 1) / n, f"{label}: cpumoe {i + 1}/{n}")
 
         base_times: List[float] = []
         rel_diff = None
+        load_b = OthersLoad()
         if baseline:
             report(share, f"{label}: eager baseline warm-up")
             nb = min(_iterations(warm_up(call_baseline), iters, min_time, min_iters, max_iters), n)
             out_b = None
-            for i, r in enumerate(routings[:nb]):
-                t, out = _timed(call_baseline, r)
-                base_times.append(t)
-                if i == 0:
-                    out_b = out
-                report(share + share * (i + 1) / nb, f"{label}: eager baseline {i + 1}/{nb}")
+            with OthersLoad() as load_b:
+                for i, r in enumerate(routings[:nb]):
+                    t, out = _timed(call_baseline, r)
+                    base_times.append(t)
+                    if i == 0:
+                        out_b = out
+                    report(share + share * (i + 1) / nb,
+                           f"{label}: eager baseline {i + 1}/{nb}")
             ref = out_b.float()
             rel_diff = float((out_c.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -520,6 +564,8 @@ def run_case(
         "baseline_iters": len(base_times) if base_times else None,
         "speedup": (statistics.median(base_times) / sec) if base_times else None,
         "rel_diff_vs_baseline": rel_diff,
+        "others_cpu_fraction": load_c.fraction,
+        "baseline_others_cpu_fraction": load_b.fraction,
     }
     if read_gbps:
         rec["bw_fraction"] = rec["gbps"] / read_gbps
@@ -549,7 +595,24 @@ _COLUMNS = [
     ("%bound", 7, lambda r: _pct(r["bound_fraction"])),
     ("eager ms", 10, lambda r: "-" if r["baseline_ms"] is None else f"{r['baseline_ms']:.2f}"),
     ("speedup", 8, lambda r: "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"),
+    ("others", 7, lambda r: _others(r)),
 ]
+
+NOISY = 0.10  # others' share of the CPUs above which a row is flagged
+
+
+def case_others_fraction(rec: dict) -> Optional[float]:
+    """Largest share of the CPUs used by other processes while the case was timed."""
+    vals = [v for v in (rec.get("others_cpu_fraction"), rec.get("baseline_others_cpu_fraction"))
+            if v is not None]
+    return max(vals) if vals else None
+
+
+def _others(rec: dict) -> str:
+    v = case_others_fraction(rec)
+    if v is None:
+        return "-"
+    return f"{100 * v:.0f}%" + ("*" if v > NOISY else "")
 
 
 def _pct(v: Optional[float]) -> str:
@@ -586,9 +649,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         % torch.get_num_threads())
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per case (default: enough for --min-time)")
-    p.add_argument("--min-time", type=float, default=1.0, metavar="SEC",
+    p.add_argument("--min-time", type=float, default=2.0, metavar="SEC",
                    help="seconds of timed calls per case and implementation when --iters is "
-                        "not given; at least 3 and at most 200 calls (default 1.0)")
+                        "not given; at least 3 and at most 200 calls (default 2.0)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the PyTorch eager per-expert baseline")
     p.add_argument("--json", metavar="PATH", default=None,
@@ -650,7 +713,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         fma = _fma_peak_samples()
         read_gbps = max(bw0["samples_gbps"])
         peak = max(fma["samples_gflops"])
-        bar.update(0.5)
+        bar.update(0.5, "limits measured")
 
         emit(f"cpumoe {info['cpumoe_version']} bench: tier {info['tier']}, {info['threads']} "
              f"threads, {args.dtype}, torch {info['torch_version']}")
@@ -667,8 +730,9 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         if busy0 is not None and busy0 > 0.1:
             emit(f"WARNING: other processes kept the CPUs {100 * busy0:.0f}% busy just before "
                  "the run; figures will be noisy")
-        emit("weights are read from DRAM: fresh random routing on every call; ms = median; "
-             "%bw, %peak, %bound vs the limits above")
+        emit("fresh random routing on every call (weights come from DRAM); ms = median; "
+             "%bw, %peak, %bound vs the limits above;")
+        emit("others = share of the CPUs used by other processes while the case was timed")
         emit()
         emit(format_header_row())
 
@@ -700,6 +764,10 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         drift = (read_end - read_gbps) / read_gbps
         emit(f"streaming read at the end: {read_end:.1f} GB/s (start {read_gbps:.1f}, "
              f"{100 * drift:+.0f}%){'  -- the machine was noisy' if abs(drift) > 0.1 else ''}")
+        noisy = [c for c in cases if (case_others_fraction(c) or 0) > NOISY]
+        if noisy:
+            emit(f"* {len(noisy)} case(s) ran while other processes used more than "
+                 f"{100 * NOISY:.0f}% of the CPUs (column 'others'); rerun them on a quiet machine")
         diffs = [c["rel_diff_vs_baseline"] for c in cases if c["rel_diff_vs_baseline"] is not None]
         if diffs:
             emit(f"cpumoe vs eager baseline: max relative L2 difference {max(diffs):.1e}"
