@@ -12,6 +12,7 @@ the fixtures live in conftest.py).
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import pytest
 import torch
@@ -128,3 +129,217 @@ def run_fused(x, w1, w2, tw, ti, *, is_vnni: bool, **kw) -> torch.Tensor:
     if is_vnni:
         return cpumoe.fused_experts(x, pack(w1), pack(w2), tw, ti, is_vnni=True, **kw)
     return cpumoe.fused_experts(x, w1, w2, tw, ti, is_vnni=False, **kw)
+
+
+
+# ---------------------------------------------------------------------------------------
+# INT8 W8A8 (moe_comp_method 1) helpers.
+
+INT8 = 1  # moe_comp_method of INT8 W8A8
+
+
+def make_int8_weights(E: int, N: int, K: int, style: str = "quant"):
+    """int8 expert weights w1 [E, 2N, K], w2 [E, K, N] with fp32 per output channel scales
+    s1 [E, 2N, 1], s2 [E, K, 1] (the shapes SGLang passes).
+
+    * ``"quant"``: :func:`cpumoe.quant.quantize_int8_per_channel` of the float weights of
+      :func:`make_weights` (what a model loader produces);
+    * ``"sglang"``: SGLang's test_int8_moe data (REFERENCE.md §12):
+      ``w = ((rand - 0.5) * 2 * 127).clamp(-128, 127).int8``, scales ``rand * 1e-2``.
+    """
+    from cpumoe import quant
+
+    if style == "quant":
+        f1, f2 = make_weights(E, N, K, torch.float32)
+        w1, s1 = quant.quantize_int8_per_channel(f1)
+        w2, s2 = quant.quantize_int8_per_channel(f2)
+    elif style == "sglang":
+        w1 = ((torch.rand(E, 2 * N, K) - 0.5) * 2 * 127).clamp(-128, 127).to(torch.int8)
+        w2 = ((torch.rand(E, K, N) - 0.5) * 2 * 127).clamp(-128, 127).to(torch.int8)
+        s1 = torch.rand(E, 2 * N, 1) * 1e-2
+        s2 = torch.rand(E, K, 1) * 1e-2
+    else:
+        raise ValueError(f"unknown int8 weight style {style!r}")
+    return w1, s1, w2, s2
+
+
+def make_int8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
+    """Activations for :func:`make_int8_weights`: ``randn`` for ``"quant"`` (gate/up values
+    ~ N(0, 1)), SGLang's ``randn / sqrt(K)`` for ``"sglang"``."""
+    x = torch.randn(M, K)
+    return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
+
+
+# Tolerance of INT8 W8A8 outputs against reference.fused_experts(..., moe_comp_method=1).
+# The reference repeats the kernels' fp32 operation order: the same per-row quantization
+# (one fp32 division 127/amax, round half to even), exact integer GEMMs, dequantization
+# ((float)acc * row_scale) * channel_scale, fp32 topk weight. What still differs:
+#   * torch's exp inside silu/sigmoid vs the kernels' polynomial (common/numeric.h): about
+#     0.4% of the fp32 activations differ by an ulp. Rarely, that flips the 16-bit rounding
+#     of an intermediate a[n] (measured: 1 bf16 and 10 fp16 flips in 25.6M elements), and
+#     a flipped a[n] can cross an int8 bucket of its row when re-quantized (step amax/127;
+#     if a[n] is the row's amax, the whole row is re-bucketed). One bucket of one element
+#     moves y[k] by (amax / 127) * w2[k, n] * s2[k], about amax / (127 sqrt(N) rms(a)) of
+#     |y|: 0.3% (N = 128) to 0.6% (N = 32), more for a large w2[k, n]. The bucket is the
+#     same size for bf16 and fp16 activations, so both dtypes get the same tolerance.
+#   * the reference sums the topk slots per expert, the kernels per slot: fp32 ulps, which
+#     can move the final 16-bit rounding by one output ulp (bf16 2^-8, fp16 2^-11 relative).
+# Both kinds are relative to the magnitude of the output row (a bucket is amax/127 of a
+# row), so the bound is |out - ref| <= rtol |ref| + atol rms(ref row), not a fixed atol:
+# SGLang's data gives outputs ~0.05, where a fixed atol of 1e-2 would accept 20% errors.
+# atol = rtol = 1e-2 (SGLang's int8 tolerance) covers one output ulp plus one bucket flip;
+# a real error (wrong expert, scale, compensation, gate/up swap, dropped bias) is O(10%).
+# Nearly all elements are bit-identical (a handful per problem; see INT8_MAX_MISMATCH),
+# and int8_exact_reference below removes both differences: tests that need more than
+# this tolerance compare bit for bit against it.
+# Measured (the PAIRWISE cases of test_int8.py plus SGLang's shapes, silu and bias+swiglu,
+# 8 seeds, 336 problems): worst |out - ref| / bound = 0.18 (bf16) and 0.054 (fp16), at
+# most 0.16% of the elements differ at all, and every problem equals int8_exact_reference
+# bit for bit; no exp-caused bucket flip was seen.
+TOL_INT8 = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+}
+# Fraction of output elements allowed to differ at all from the reference (plus 2): the
+# differences above touch a handful of elements per problem; a systematic deviation
+# (rounding mode, operation order, scale formula) moves a large fraction by an ulp.
+INT8_MAX_MISMATCH = 0.01
+
+
+def int8_bound(ref: torch.Tensor) -> torch.Tensor:
+    """Allowed |out - ref| per element: rtol |ref| + atol * rms of ref's row."""
+    tol = TOL_INT8[ref.dtype]
+    r = ref.float()
+    row_rms = r.pow(2).mean(-1, keepdim=True).sqrt()
+    return tol["rtol"] * r.abs() + tol["atol"] * row_rms
+
+
+def int8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / int8_bound(ref) (0/0 counts as 0): <= 1 passes."""
+    d = (out.float() - ref.float()).abs()
+    if d.numel() == 0:
+        return 0.0
+    b = int8_bound(ref)
+    return float(torch.where(d == 0, torch.zeros_like(d), d / b).max())
+
+
+def assert_int8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
+                      max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
+    """out within int8_bound of ref, finite, same dtype/shape; and (unless max_mismatch
+    is None) at most that fraction of elements (+2) not bit-identical."""
+    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
+    d = (out.float() - ref.float()).abs()
+    bad = d > int8_bound(ref)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{int(bad.sum())} of {d.numel()} elements beyond rtol |ref| + atol rms(row) "
+            f"({TOL_INT8[ref.dtype]}); worst scaled error {int8_scaled_error(out, ref):.3g}; "
+            f"first at {i}: out {out[i].item()} ref {ref[i].item()} {msg}")
+    if max_mismatch is not None:
+        differ = int((out != ref).sum())
+        assert differ <= max_mismatch * out.numel() + 2, (
+            f"{differ} of {out.numel()} elements differ from the reference (each within "
+            f"tolerance, but too many for rounding accidents) {msg}")
+
+
+def run_fused_int8(x, w1, s1, w2, s2, tw, ti, *, is_vnni: bool, **kw) -> torch.Tensor:
+    """fused_experts with moe_comp_method=1 from unpacked int8 weights: packs them first
+    when is_vnni, else lets the op pack them per call."""
+    if is_vnni:
+        w1, w2 = pack(w1), pack(w2)
+    return cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=INT8, w1_scale=s1,
+                                w2_scale=s2, is_vnni=is_vnni, **kw)
+
+
+# The kernels' activation functions, emulated in torch with the same fp32 operation
+# sequence (csrc/kernels/common/numeric.h: "the operation sequence is the contract").
+# fmaf is emulated as float64 a*b (exact) + c, rounded to fp64 then fp32; that double
+# rounding differs from fmaf only if the fp64 sum lands exactly on an fp32 midpoint.
+# Checked: kernel_silu equals numeric.h's cm_siluf compiled with gcc bit for bit on 1.1M
+# inputs (torch's F.silu differs on 0.4% of them).
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (a.double() * b.double() + c.double()).float()
+
+
+_EXP_MAGIC = 12582912.0  # 1.5 * 2^23
+_EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+
+def kernel_expf(x: torch.Tensor) -> torch.Tensor:
+    """cm_expf: clamp to [-87, 88], Cody-Waite reduction by ln2, degree-6 polynomial."""
+    x = x.float().clamp(-87.0, 88.0)
+    t = x * _f32(1.44269504088896341) + _f32(_EXP_MAGIC)
+    n = t - _f32(_EXP_MAGIC)
+    r = _fmaf(n, _f32(-0.693359375), x)
+    r = _fmaf(n, _f32(2.12194440e-4), r)
+    p = torch.full_like(x, 1.9875691500e-4)
+    for c in _EXP_POLY:
+        p = _fmaf(p, r, _f32(c))
+    p = _fmaf(p, r * r, r) + _f32(1.0)
+    return p * torch.pow(_f32(2.0), n)
+
+
+def kernel_silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """cm_silu_mul on [gate; up] halves: (gate / (1 + exp(-gate))) * up."""
+    n = h.shape[-1] // 2
+    g, u = h[..., :n].float(), h[..., n:].float()
+    return (g / (_f32(1.0) + kernel_expf(-g))) * u
+
+
+def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """cm_swiglu_clampf on interleaved (gate, up) columns."""
+    lim = _f32(limit)
+    g = torch.minimum(h[..., 0::2].float(), lim)
+    u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
+    s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
+    return (g * s) * (u + _f32(1.0))
+
+
+@contextlib.contextmanager
+def kernel_activations():
+    """Within the block, reference.py computes its activations with the kernels' exp."""
+    from cpumoe import reference
+
+    saved = reference.silu_and_mul, reference.swiglu_clamp
+    reference.silu_and_mul, reference.swiglu_clamp = kernel_silu_and_mul, kernel_swiglu_clamp
+    try:
+        yield
+    finally:
+        reference.silu_and_mul, reference.swiglu_clamp = saved
+
+
+def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
+                         alpha=None, limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=1) with the two remaining differences
+    to the kernels removed: the kernels' exp (kernel_activations) and the sum over the
+    topk slots in slot order (the kernels' order; the reference sums per expert). The
+    INT8 kernels must equal this bit for bit (integer GEMMs, every fp32 step in order)."""
+    from cpumoe import reference
+
+    M, K = x.shape
+    ids = ti.long()
+    g = tw.float()
+    ys = torch.zeros(M, ids.shape[1], K)
+    with kernel_activations():
+        for e in ids.unique().tolist():
+            if e < 0:
+                continue
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            y = reference.expert_mlp_int8(
+                x[rows], w1[e], s1[e], w2[e], s2[e],
+                None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
+                alpha, limit)
+            ys[rows, slots] = y * g[rows, slots, None]
+    acc = torch.zeros(M, K)
+    for j in range(ids.shape[1]):
+        acc = acc + ys[:, j]
+    return acc.to(x.dtype)

@@ -72,7 +72,11 @@ def quantize_rows_int8(x: torch.Tensor):
     The kernels store ``q + 128`` as uint8. A row holding NaN gets a NaN scale."""
     x = x.float()
     amax = x.abs().amax(-1).clamp_min(INT8_MIN_AMAX)
-    q = torch.round(x * (127 / amax)[:, None]).clamp(-127, 127)
+    # 127 / amax as one fp32 division, like the kernels' 127.0f / amax. (The Python
+    # expression `127 / amax` is Tensor.__rtruediv__, i.e. reciprocal(amax) * 127: two
+    # roundings, one fp32 ulp off in a quarter of the rows, which moves some q by one.)
+    inv_scale = torch.full_like(amax, 127.0) / amax
+    q = torch.round(x * inv_scale[:, None]).clamp(-127, 127)
     return torch.nan_to_num(q, nan=0.0), amax / 127
 
 
