@@ -441,9 +441,18 @@ def _timed(fn: Callable, *args):
 
 def _iterations(t_est: float, iters: Optional[int], min_time: float, min_iters: int,
                 max_iters: int) -> int:
+    """``iters`` if given; else enough calls for ``min_time`` seconds, at least ``min_iters``
+    unless that would take over 4 x ``min_time`` (very slow calls, e.g. the eager baseline on
+    a contended machine: then as many as fit, at least 1), at most ``max_iters``."""
     if iters:
         return int(iters)
-    return int(min(max(math.ceil(min_time / max(t_est, 1e-9)), min_iters), max_iters))
+    t = max(t_est, 1e-9)
+    n = math.ceil(min_time / t)
+    if min_iters * t <= 4 * min_time:
+        n = max(n, min_iters)
+    else:
+        n = max(1, math.floor(4 * min_time / t))
+    return int(min(n, max_iters))
 
 
 def run_case(
@@ -651,7 +660,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="timed calls per case (default: enough for --min-time)")
     p.add_argument("--min-time", type=float, default=2.0, metavar="SEC",
                    help="seconds of timed calls per case and implementation when --iters is "
-                        "not given; at least 3 and at most 200 calls (default 2.0)")
+                        "not given; at least 3 calls (fewer if they would take over 4x this), "
+                        "at most 200 (default 2.0)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the PyTorch eager per-expert baseline")
     p.add_argument("--json", metavar="PATH", default=None,
