@@ -35,13 +35,17 @@
 typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, size_t a_stride,
                                   const uint16_t *b_tile, float *c);
 
-/* INT8 W8A8 tile with fused dequantization:
- *   acc[r][n] = sum_k A_panel[r][k] * B[k][n]     exact int32; A u8 [k/4][a_stride][4],
- *                                                 B s8 VNNI-4 [k/4][32][4] then int32 comp[32]
- *   C[r][n]   = ((float)(acc[r][n] - comp[n]) * a_scale[r]) * w_scale[n]    (fp32, this order) */
-typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t k, const uint8_t *a_panel, size_t a_stride,
-                                const int8_t *b_tile, const float *a_scale, const float *w_scale,
-                                float *c);
+/* INT8 W8A8 tile, exact integer part:
+ *   acc[r][n] (+)= sum_{k<kc} A_panel[r][k] * B[k][n]    int32; A u8 [kc/4][a_stride][4],
+ *                                                        B s8 VNNI-4 [kc/4][32][4]
+ * `accumulate` = 0 starts from zero. Integer sums are exact, so a reduction may be split
+ * into chunks (the pipeline does, to reuse each weight chunk across panels in cache). */
+typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, size_t a_stride,
+                                const int8_t *b, int32_t *acc, int accumulate);
+/* C[r][n] = ((float)(acc[r][n] - comp[n]) * a_scale[r]) * w_scale[n]   (fp32, this order);
+ * comp = the int32[32] stored after a packed int8 tile. */
+typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *comp,
+                                   const float *a_scale, const float *w_scale, float *c);
 
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
@@ -56,6 +60,8 @@ typedef void (*cm_narrow_fn)(size_t n, const float *src, uint16_t *dst);
 typedef void (*cm_round_fn)(size_t n, float *v);
 /* y[i] += a * x[i] (mul then add, two roundings) */
 typedef void (*cm_axpy_fn)(size_t n, float a, const float *x, float *y);
+/* y[i] = (c[i] + bias[i]) * g, or c[i] * g without bias */
+typedef void (*cm_bias_scale_fn)(size_t n, const float *c, const float *bias, float g, float *y);
 /* returns max(m, max_i |x[i]|) */
 typedef float (*cm_absmax_fn)(size_t n, const float *x, float m);
 /* q[i] = 128 + clamp(round_half_even(x[i] * inv_scale), -127, 127) */
@@ -72,7 +78,9 @@ typedef struct cm_ukernels {
   cm_narrow_fn narrow_bf16, narrow_f16;
   cm_round_fn round_bf16, round_f16;
   cm_axpy_fn axpy;
+  cm_bias_scale_fn bias_scale;
   cm_gemm_u8s8_fn gemm_u8s8; /* INT8 W8A8 */
+  cm_dequant_u8s8_fn dequant_u8s8;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
   /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
@@ -96,10 +104,13 @@ const cm_ukernels *cm_active_ukernels(void);
   void cm_round_bf16__##tier(size_t, float *);                                                    \
   void cm_round_f16__##tier(size_t, float *);                                                     \
   void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
+  void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);               \
   float cm_absmax__##tier(size_t, const float *, float);                                          \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
-  void cm_u8s8_gemm_dq_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *,     \
-                                     const float *, const float *, float *);                      \
+  void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
+                                         int32_t *, int);                                         \
+  void cm_u8s8_dequant_mrx32__##tier(size_t, const int32_t *, const int8_t *, const float *,      \
+                                     const float *, float *);                                     \
   double cm_probe_int8_loop__##tier(int64_t);                                                     \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
                                          float *);                                                \

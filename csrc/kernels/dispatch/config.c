@@ -31,10 +31,12 @@
       .round_bf16 = cm_round_bf16__##tier,            \
       .round_f16 = cm_round_f16__##tier,              \
       .axpy = cm_axpy__##tier,                        \
+      .bias_scale = cm_bias_scale__##tier,            \
       .probe_read = cm_probe_read_chunk__##tier,      \
       .probe_fma = cm_probe_fma_loop__##tier,         \
       .probe_int8 = cm_probe_int8_loop__##tier,       \
-      .gemm_u8s8 = cm_u8s8_gemm_dq_mrx32__##tier, \
+      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+      .dequant_u8s8 = cm_u8s8_dequant_mrx32__##tier,  \
       .absmax = cm_absmax__##tier,                    \
       .quantize_u8 = cm_quantize_u8__##tier,          \
   }

@@ -78,3 +78,11 @@ void CM_TIERED(cm_quantize_u8)(size_t n, const float *restrict x, float inv_scal
     q[i] = (uint8_t)(int32_t)(v + 128.0f);
   }
 }
+
+void CM_TIERED(cm_bias_scale)(size_t n, const float *restrict c, const float *restrict bias,
+                              float g, float *restrict y) {
+  if (bias)
+    for (size_t i = 0; i < n; i++) y[i] = (c[i] + bias[i]) * g;
+  else
+    for (size_t i = 0; i < n; i++) y[i] = c[i] * g;
+}

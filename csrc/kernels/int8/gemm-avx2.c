@@ -1,8 +1,7 @@
 /*
- * AVX2 GEMM micro-kernel for INT8 W8A8 on CPUs without VNNI: u8 x s8 -> s32, exact.
- *
- * C[mr][32] = A_panel x B_tile, mr <= 4, dequantized in fp32 (layouts and the fused
- * dequantization as int8/gemm-avx512.c).
+ * AVX2 micro-kernels for INT8 W8A8 on CPUs without VNNI: u8 x s8 -> exact int32, and the
+ * dequantization of a finished tile (contracts and layouts: common/ukernels.h,
+ * int8/gemm-avx512.c).
  *
  * Method and why it cannot overflow: the usual vpmaddubsw multiplies u8 by s8 and adds
  * pairs into int16 with saturation (255*127*2 > 32767), which is not exact. Instead both
@@ -30,17 +29,19 @@ static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
   return _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(v)));
 }
 
-/* 8 columns [col0, col0 + 8) over the whole k */
-static inline __attribute__((always_inline)) void gemm_cols8(
-    const int mr, size_t k, const uint8_t *restrict a, size_t as, const int8_t *restrict b,
-    const float *restrict a_scale, const float *restrict w_scale, float *restrict c, int col0) {
+/* 8 columns [col0, col0 + 8) over the chunk */
+static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_t kc,
+                                                             const uint8_t *restrict a, size_t as,
+                                                             const int8_t *restrict b,
+                                                             int32_t *restrict acc, int accumulate,
+                                                             int col0) {
   __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
     acc0[r] = _mm256_setzero_si256();
     acc1[r] = _mm256_setzero_si256();
   }
-  for (size_t kq = 0; kq < k / 4; kq++) {
+  for (size_t kq = 0; kq < kc / 4; kq++) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
     const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
     const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
@@ -52,32 +53,44 @@ static inline __attribute__((always_inline)) void gemm_cols8(
       acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(x, b1));
     }
   }
-  const __m256i comp = _mm256_loadu_si256((const __m256i *)(b + CM_NR * k + 4 * col0));
-  const __m256 ws = _mm256_loadu_ps(w_scale + col0);
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
     /* lanes (2j, 2j+1) of acc0 are column j's halves (j < 4), of acc1 column 4 + j */
-    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc0[r], acc1[r]), 0xd8);
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, comp));
-    _mm256_storeu_ps(c + r * CM_NR + col0,
-                     _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(a_scale[r])), ws));
+    __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc0[r], acc1[r]), 0xd8);
+    int32_t *out = acc + r * CM_NR + col0;
+    if (accumulate) sums = _mm256_add_epi32(sums, _mm256_loadu_si256((const __m256i *)out));
+    _mm256_storeu_si256((__m256i *)out, sums);
   }
 }
 
-static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t k,
+static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *a, size_t as,
-                                                            const int8_t *b, const float *a_scale,
-                                                            const float *w_scale, float *c) {
-  for (int col0 = 0; col0 < CM_NR; col0 += 8)
-    gemm_cols8(mr, k, a, as, b, a_scale, w_scale, c, col0);
+                                                            const int8_t *b, int32_t *acc,
+                                                            int accumulate) {
+  for (int col0 = 0; col0 < CM_NR; col0 += 8) gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0);
 }
 
-void cm_u8s8_gemm_dq_mrx32__avx2(size_t mr, size_t k, const uint8_t *a, size_t as, const int8_t *b,
-                                 const float *a_scale, const float *w_scale, float *c) {
+void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
+                                     const int8_t *b, int32_t *acc, int accumulate) {
   switch (mr) {
-    case 1: gemm_body(1, k, a, as, b, a_scale, w_scale, c); break;
-    case 2: gemm_body(2, k, a, as, b, a_scale, w_scale, c); break;
-    case 3: gemm_body(3, k, a, as, b, a_scale, w_scale, c); break;
-    default: gemm_body(4, k, a, as, b, a_scale, w_scale, c); break;
+    case 1: gemm_body(1, kc, a, as, b, acc, accumulate); break;
+    case 2: gemm_body(2, kc, a, as, b, acc, accumulate); break;
+    case 3: gemm_body(3, kc, a, as, b, acc, accumulate); break;
+    default: gemm_body(4, kc, a, as, b, acc, accumulate); break;
+  }
+}
+
+void cm_u8s8_dequant_mrx32__avx2(size_t mr, const int32_t *restrict acc, const int8_t *comp,
+                                 const float *restrict a_scale, const float *restrict w_scale,
+                                 float *restrict c) {
+  for (size_t r = 0; r < mr; r++) {
+    const __m256 as_r = _mm256_set1_ps(a_scale[r]);
+    for (int col0 = 0; col0 < CM_NR; col0 += 8) {
+      const __m256i cmp = _mm256_loadu_si256((const __m256i *)(comp + 4 * col0));
+      const __m256i t = _mm256_loadu_si256((const __m256i *)(acc + r * CM_NR + col0));
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(t, cmp));
+      _mm256_storeu_ps(c + r * CM_NR + col0,
+                       _mm256_mul_ps(_mm256_mul_ps(v, as_r), _mm256_loadu_ps(w_scale + col0)));
+    }
   }
 }

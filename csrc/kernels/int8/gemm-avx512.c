@@ -1,18 +1,20 @@
 /*
- * AVX-512 VNNI GEMM micro-kernel for INT8 W8A8: u8 activations x s8 weights -> s32.
+ * AVX-512 VNNI micro-kernels for INT8 W8A8: u8 activations x s8 weights -> s32, and the
+ * dequantization of a finished int32 tile (contracts: common/ukernels.h).
  *
- * C[mr][32] = A_panel x B_tile, mr <= 12, exact int32 (no saturation: vpdpbusd adds
- * four u8*s8 products, |each| <= 255*128, straight into the int32 lane).
- *   A panel: u8 [k/4][a_stride][4]: per k-quad, 4 consecutive k of each row in one dword.
- *   B tile:  s8 VNNI-4 [k/4][32][4] (docs/FORMATS.md): per k-quad 128 bytes, columns
+ *   A panel: u8 [kc/4][a_stride][4]: per k-quad, 4 consecutive k of each row in one dword.
+ *   B:       s8 VNNI-4 [kc/4][32][4] (docs/FORMATS.md): per k-quad 128 bytes, columns
  *            0..15 in bytes 0..63, 16..31 in 64..127; one dword = 4 k of one column.
- *   C tile:  fp32 [mr][32] = ((float)(acc - comp) * a_scale[r]) * w_scale[n], with comp the
- *            int32[32] stored after the tile (fused dequantization, common/ukernels.h).
+ *   acc:     int32 [mr][32], exact (vpdpbusd adds four u8*s8 products, each at most
+ *            255*128, straight into the int32 lane: no saturation).
  *
  * Tile 12 x 32 and why: per k-quad, 2 B vectors; each row needs 2 int32 accumulators
  * and one broadcast dword of A (vpdpbusd takes the u8 operand only from a register).
- * 12 x 2 + 2 + 1 = 27 of 32 zmm, leaving room for the compiler; 24 vpdpbusd per 2 B
- * loads and 12 broadcast loads, so the dot-product port, not the loads, is the limit.
+ * 12 x 2 + 2 + 1 = 27 of 32 zmm; 24 vpdpbusd per 2 B loads and 12 broadcast loads, so
+ * the dot-product port, not the loads, is the limit (measured: 99% of the probe's peak
+ * with operands in cache, K = 2048).
+ * Dequantization is a separate function on the stored tile: with its operands live
+ * across the k loop, GCC shuffled the accumulators through the stack (half speed).
  */
 #include <immintrin.h>
 #include <string.h>
@@ -29,34 +31,17 @@ static inline __attribute__((always_inline)) __m512i broadcast_dword(const uint8
   return _mm512_set1_epi32(v);
 }
 
-/* C[r][n] = ((float)(tile[r][n] - comp[n]) * a_scale[r]) * w_scale[n] */
-static void dequantize_tile(int mr, const int32_t *restrict tile, const int8_t *comp_bytes,
-                            const float *restrict a_scale, const float *restrict w_scale,
-                            float *restrict c) {
-  const __m512i comp0 = _mm512_loadu_si512(comp_bytes);
-  const __m512i comp1 = _mm512_loadu_si512(comp_bytes + 64);
-  const __m512 ws0 = _mm512_loadu_ps(w_scale), ws1 = _mm512_loadu_ps(w_scale + 16);
-  for (int r = 0; r < mr; r++) {
-    const __m512 as_r = _mm512_set1_ps(a_scale[r]);
-    const __m512i t0 = _mm512_loadu_si512(tile + r * CM_NR);
-    const __m512i t1 = _mm512_loadu_si512(tile + r * CM_NR + 16);
-    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(t0, comp0));
-    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(t1, comp1));
-    _mm512_storeu_ps(c + r * CM_NR, _mm512_mul_ps(_mm512_mul_ps(v0, as_r), ws0));
-    _mm512_storeu_ps(c + r * CM_NR + 16, _mm512_mul_ps(_mm512_mul_ps(v1, as_r), ws1));
-  }
-}
-
-static inline __attribute__((always_inline)) void gemm_body(
-    const int mr, size_t k, const uint8_t *restrict a, size_t as, const int8_t *restrict b,
-    const float *restrict a_scale, const float *restrict w_scale, float *restrict c) {
+static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
+                                                            const uint8_t *restrict a, size_t as,
+                                                            const int8_t *restrict b,
+                                                            int32_t *restrict acc, int accumulate) {
   __m512i acc0[MR], acc1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
-    acc0[r] = _mm512_setzero_si512();
-    acc1[r] = _mm512_setzero_si512();
+    acc0[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR) : _mm512_setzero_si512();
+    acc1[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR + 16) : _mm512_setzero_si512();
   }
-  for (size_t kq = 0; kq < k / 4; kq++) {
+  for (size_t kq = 0; kq < kc / 4; kq++) {
     const int8_t *bk = b + kq * 128;
     _mm_prefetch((const char *)(bk + CM_PREFETCH_KQUADS * 128), _MM_HINT_T0);
     _mm_prefetch((const char *)(bk + CM_PREFETCH_KQUADS * 128 + 64), _MM_HINT_T0);
@@ -70,33 +55,43 @@ static inline __attribute__((always_inline)) void gemm_body(
       acc1[r] = _mm512_dpbusd_epi32(acc1[r], x, b1);
     }
   }
-  /* The int32 tile goes through L1 before dequantization: with the dequantization
-   * operands live across the loop, GCC shuffled the accumulators through the stack
-   * inside it (half speed). */
-  int32_t tile[MR * CM_NR];
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
-    _mm512_storeu_si512(tile + r * CM_NR, acc0[r]);
-    _mm512_storeu_si512(tile + r * CM_NR + 16, acc1[r]);
+    _mm512_storeu_si512(acc + r * CM_NR, acc0[r]);
+    _mm512_storeu_si512(acc + r * CM_NR + 16, acc1[r]);
   }
-  dequantize_tile(mr, tile, b + CM_NR * k, a_scale, w_scale, c);
 }
 
-void cm_u8s8_gemm_dq_mrx32__avx512(size_t mr, size_t k, const uint8_t *a, size_t as,
-                                   const int8_t *b, const float *a_scale, const float *w_scale,
-                                   float *c) {
+void cm_u8s8_gemm_s32acc_mrx32__avx512(size_t mr, size_t kc, const uint8_t *a, size_t as,
+                                       const int8_t *b, int32_t *acc, int accumulate) {
   switch (mr) {
-    case 1: gemm_body(1, k, a, as, b, a_scale, w_scale, c); break;
-    case 2: gemm_body(2, k, a, as, b, a_scale, w_scale, c); break;
-    case 3: gemm_body(3, k, a, as, b, a_scale, w_scale, c); break;
-    case 4: gemm_body(4, k, a, as, b, a_scale, w_scale, c); break;
-    case 5: gemm_body(5, k, a, as, b, a_scale, w_scale, c); break;
-    case 6: gemm_body(6, k, a, as, b, a_scale, w_scale, c); break;
-    case 7: gemm_body(7, k, a, as, b, a_scale, w_scale, c); break;
-    case 8: gemm_body(8, k, a, as, b, a_scale, w_scale, c); break;
-    case 9: gemm_body(9, k, a, as, b, a_scale, w_scale, c); break;
-    case 10: gemm_body(10, k, a, as, b, a_scale, w_scale, c); break;
-    case 11: gemm_body(11, k, a, as, b, a_scale, w_scale, c); break;
-    default: gemm_body(12, k, a, as, b, a_scale, w_scale, c); break;
+    case 1: gemm_body(1, kc, a, as, b, acc, accumulate); break;
+    case 2: gemm_body(2, kc, a, as, b, acc, accumulate); break;
+    case 3: gemm_body(3, kc, a, as, b, acc, accumulate); break;
+    case 4: gemm_body(4, kc, a, as, b, acc, accumulate); break;
+    case 5: gemm_body(5, kc, a, as, b, acc, accumulate); break;
+    case 6: gemm_body(6, kc, a, as, b, acc, accumulate); break;
+    case 7: gemm_body(7, kc, a, as, b, acc, accumulate); break;
+    case 8: gemm_body(8, kc, a, as, b, acc, accumulate); break;
+    case 9: gemm_body(9, kc, a, as, b, acc, accumulate); break;
+    case 10: gemm_body(10, kc, a, as, b, acc, accumulate); break;
+    case 11: gemm_body(11, kc, a, as, b, acc, accumulate); break;
+    default: gemm_body(12, kc, a, as, b, acc, accumulate); break;
+  }
+}
+
+void cm_u8s8_dequant_mrx32__avx512(size_t mr, const int32_t *restrict acc, const int8_t *comp,
+                                   const float *restrict a_scale, const float *restrict w_scale,
+                                   float *restrict c) {
+  const __m512i comp0 = _mm512_loadu_si512(comp), comp1 = _mm512_loadu_si512(comp + 64);
+  const __m512 ws0 = _mm512_loadu_ps(w_scale), ws1 = _mm512_loadu_ps(w_scale + 16);
+  for (size_t r = 0; r < mr; r++) {
+    const __m512 as_r = _mm512_set1_ps(a_scale[r]);
+    const __m512i t0 = _mm512_loadu_si512(acc + r * CM_NR);
+    const __m512i t1 = _mm512_loadu_si512(acc + r * CM_NR + 16);
+    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(t0, comp0));
+    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(t1, comp1));
+    _mm512_storeu_ps(c + r * CM_NR, _mm512_mul_ps(_mm512_mul_ps(v0, as_r), ws0));
+    _mm512_storeu_ps(c + r * CM_NR + 16, _mm512_mul_ps(_mm512_mul_ps(v1, as_r), ws1));
   }
 }

@@ -40,6 +40,7 @@
 #define CM_CHUNK_TOKENS 1024
 #define CM_PANELS_PER_BLOCK 4  /* up to 4 x 12 rows share one pass over a weight tile */
 #define CM_REDUCE_COLS 512     /* columns summed per step of the reduce stage */
+#define CM_INT8_KC 256         /* reduction chunk of the INT8 block GEMM: 8 KiB of weights */
 #define CM_PACK_COLS 64        /* columns widened per step when packing A panels */
 #define CM_INT8_MIN_AMAX 1e-7f /* floor of a row's absmax before quantizing (all-zero rows) */
 
@@ -193,9 +194,10 @@ typedef struct cm_scheme_impl {
   /* Writes the panel's rows into its A panel of `stage` (1: x rows of the panel's
    * tokens, reduction K; 2: mid rows, reduction N), with per-row scales if any. */
   void (*pack_panel)(const cm_run *r, const cm_panel *pn, int stage);
-  /* c[rows][32] = fp32 product of the panel with the 32 weight rows [row0, row0 + 32) of
-   * W1[e] (stage 1) or W2[e] (stage 2), dequantized; bias and activation are not in. */
-  void (*gemm_tile)(const cm_run *r, const cm_panel *pn, int stage, int64_t row0, float *c);
+  /* c[rows of the block][32] = fp32 product of the block's panels (in order) with the 32
+   * weight rows [row0, row0 + 32) of W1[e] (stage 1) or W2[e] (stage 2), dequantized;
+   * bias and activation are not in. */
+  void (*gemm_block)(const cm_run *r, const cm_block *blk, int stage, int64_t row0, float *c);
 } cm_scheme_impl;
 
 struct cm_run {
@@ -251,20 +253,24 @@ static void pack_panel_f32(const cm_run *r, const cm_panel *pn, int stage) {
   }
 }
 
-static void gemm_tile_16bit(const cm_run *r, const cm_panel *pn, int stage, int64_t row0,
-                            float *c) {
+static void gemm_block_16bit(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                             float *c) {
   const cpumoe_moe_problem *p = r->p;
   const int64_t red = stage_reduction(r, stage);
   const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
-  const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
-                      (size_t)pn->expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
-  const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
   const cm_gemm_f32acc_fn gemm =
       p->act_dtype == CPUMOE_DTYPE_BF16 ? r->uk->gemm_bf16 : r->uk->gemm_f16;
-  gemm((size_t)pn->rows, (size_t)red, panel, (size_t)pn->rows, w, c);
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
+                        (size_t)pn->expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+    const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+    gemm((size_t)pn->rows, (size_t)red, panel, (size_t)pn->rows, w, c);
+    c += (size_t)pn->rows * CM_NR;
+  }
 }
 
-static const cm_scheme_impl cm_scheme_16bit = {NULL, pack_panel_f32, gemm_tile_16bit};
+static const cm_scheme_impl cm_scheme_16bit = {NULL, pack_panel_f32, gemm_block_16bit};
 
 /* ---- INT8 W8A8: per-row u8 panels [red/4][rows][4] with scales, u8 x s8 micro-kernels ---- */
 
@@ -318,21 +324,43 @@ static void pack_panel_u8(const cm_run *r, const cm_panel *pn, int stage) {
     for (size_t i = 0; i < rows; i++) memcpy(panel + (kq * rows + i) * 4, src[i] + 4 * kq, 4);
 }
 
-static void gemm_tile_int8(const cm_run *r, const cm_panel *pn, int stage, int64_t row0, float *c) {
+/* The reduction is walked in chunks of CM_INT8_KC, each chunk applied to every panel of
+ * the block before the next: the chunk of weights comes from memory once and is reused
+ * from L1 by the other panels while the hardware fetches the next chunk, so streaming
+ * and dot products overlap (integer sums are exact in any order). */
+static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                            float *c) {
   const cpumoe_moe_problem *p = r->p;
   const int64_t red = stage_reduction(r, stage);
   const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const int64_t expert = r->panels[blk->first_panel].expert;
   const int8_t *w = (const int8_t *)(stage == 1 ? p->w1 : p->w2) +
-                    (size_t)pn->expert * (size_t)(out_rows * (red + 4)) +
-                    (size_t)(row0 * (red + 4));
+                    (size_t)expert * (size_t)(out_rows * (red + 4)) + (size_t)(row0 * (red + 4));
   const float *w_scale =
-      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)pn->expert * (size_t)out_rows + row0;
-  r->uk->gemm_u8s8((size_t)pn->rows, (size_t)red,
-                   (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red,
-                   (size_t)pn->rows, w, r->a_scale[stage - 1] + pn->first, w_scale, c);
+      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
+  int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
+  for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
+    const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
+    /* ask for the next chunk now, so it streams in while this one is reused */
+    if (k0 + CM_INT8_KC < red)
+      for (size_t b = 0; b < (size_t)CM_INT8_KC * CM_NR; b += 64)
+        __builtin_prefetch(w + (k0 + CM_INT8_KC) * CM_NR + (int64_t)b, 0, 2);
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const cm_panel *pn = &r->panels[blk->first_panel + q];
+      const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+      r->uk->gemm_u8s8((size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows,
+                       (size_t)pn->rows, w + k0 * CM_NR, acc[q], k0 > 0);
+    }
+  }
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    r->uk->dequant_u8s8((size_t)pn->rows, acc[q], w + CM_NR * red,
+                        r->a_scale[stage - 1] + pn->first, w_scale, c);
+    c += (size_t)pn->rows * CM_NR;
+  }
 }
 
-static const cm_scheme_impl cm_scheme_int8 = {prepare_token_int8, pack_panel_u8, gemm_tile_int8};
+static const cm_scheme_impl cm_scheme_int8 = {prepare_token_int8, pack_panel_u8, gemm_block_int8};
 
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
@@ -372,6 +400,12 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
   r->n_blocks = n_blocks;
 }
 
+/* Rows of a block: its panels are consecutive runs of the same expert's sorted slots. */
+static int64_t block_rows(const cm_run *r, const cm_block *blk) {
+  const cm_panel *last = &r->panels[blk->first_panel + blk->panels - 1];
+  return last->first + last->rows - r->panels[blk->first_panel].first;
+}
+
 static void prepare_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   r->impl->prepare_token(r, t);
@@ -398,31 +432,31 @@ static void gemm1_task(void *ctx, int64_t t) {
    * interleave gate/up. Either way two 32-row weight blocks. */
   const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
   const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
-  float c0[CM_MR_MAX * CM_NR], c1[CM_MR_MAX * CM_NR];
+  float c0[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR], c1[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
   float gate[CM_NR], up[CM_NR];
-  for (int32_t q = 0; q < blk->panels; q++) {
-    const cm_panel *pn = &r->panels[blk->first_panel + q];
-    r->impl->gemm_tile(r, pn, 1, row0, c0);
-    r->impl->gemm_tile(r, pn, 1, row1, c1);
-    const float *bias = p->w1_bias ? p->w1_bias + (size_t)pn->expert * (size_t)(2 * N) : NULL;
-    for (int32_t i = 0; i < pn->rows; i++) {
-      float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
-      float *out = r->mid + (size_t)(pn->first + i) * (size_t)N + (size_t)(32 * tile);
-      if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
-        for (int j = 0; j < CM_NR; j++) {
-          const float *h = j < 16 ? h0 : h1;
-          const int jj = 2 * (j & 15);
-          gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
-          up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
-        }
-        r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
-      } else {
-        if (bias)
-          for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
-        r->uk->silu_mul(CM_NR, h0, h1, out);
+  r->impl->gemm_block(r, blk, 1, row0, c0);
+  r->impl->gemm_block(r, blk, 1, row1, c1);
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const int64_t first = r->panels[blk->first_panel].first; /* the block's rows are consecutive */
+  const float *bias = p->w1_bias ? p->w1_bias + (size_t)expert * (size_t)(2 * N) : NULL;
+  const int64_t rows = block_rows(r, blk);
+  for (int64_t i = 0; i < rows; i++) {
+    float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
+    float *out = r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
+    if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
+      for (int j = 0; j < CM_NR; j++) {
+        const float *h = j < 16 ? h0 : h1;
+        const int jj = 2 * (j & 15);
+        gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
+        up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
       }
-      r->round16(CM_NR, out);
+      r->uk->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
+    } else {
+      if (bias)
+        for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
+      r->uk->silu_mul(CM_NR, h0, h1, out);
     }
+    r->round16(CM_NR, out);
   }
 }
 
@@ -432,17 +466,17 @@ static void gemm2_task(void *ctx, int64_t t) {
   const int64_t K = p->K;
   int64_t tile; /* output columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles2, &tile);
-  float c[CM_MR_MAX * CM_NR];
-  for (int32_t q = 0; q < blk->panels; q++) {
-    const cm_panel *pn = &r->panels[blk->first_panel + q];
-    r->impl->gemm_tile(r, pn, 2, 32 * tile, c);
-    const float *bias = p->w2_bias ? p->w2_bias + (size_t)pn->expert * (size_t)K + 32 * tile : NULL;
-    for (int32_t i = 0; i < pn->rows; i++) {
-      const int32_t slot = r->sorted[pn->first + i];
-      const float g = r->weights[slot];
-      float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
-      for (int j = 0; j < CM_NR; j++) y[j] = (c[i * CM_NR + j] + (bias ? bias[j] : 0.0f)) * g;
-    }
+  float c[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  r->impl->gemm_block(r, blk, 2, 32 * tile, c);
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const int64_t first = r->panels[blk->first_panel].first;
+  const float *bias = p->w2_bias ? p->w2_bias + (size_t)expert * (size_t)K + 32 * tile : NULL;
+  const int64_t rows = block_rows(r, blk);
+  for (int64_t i = 0; i < rows; i++) {
+    const int32_t slot = r->sorted[first + i];
+    const float g = r->weights[slot];
+    float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
+    r->uk->bias_scale(CM_NR, c + i * CM_NR, bias, g, y);
   }
 }
 
