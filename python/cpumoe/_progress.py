@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Optional, TextIO
 
-
 _COUNTER = re.compile(r"\s+\d+/\d+$")
 
 

@@ -1,36 +1,56 @@
 """Model-shape benchmark of ``fused_experts`` with roofline figures (``python -m cpumoe bench``).
 
-For every (shape, M) case it times ``cpumoe.fused_experts`` on bf16/fp16 weights packed
-once with :func:`cpumoe.convert_weight_packed`, and the PyTorch-eager per-expert loop a
-user would otherwise run (:func:`baseline_moe`), and reports each against the two
-machine limits of DESIGN.md §5, both measured in the same run:
+For every (shape, weight scheme, M) case it times ``cpumoe.fused_experts`` on weights
+packed once with :func:`cpumoe.convert_weight_packed`, and the PyTorch code a user would
+otherwise run, and reports each against the machine limits of DESIGN.md §5, all measured
+in the same run:
 
 * streaming-read bandwidth: ``_C.probe_read`` over a buffer several times the
   last-level cache (:func:`measure_read_bandwidth`), measured at the start and again
   at the end of the run;
 * fp32 FMA peak of the active tier: ``_C.probe_fma``, a register-only loop on each of
-  torch's threads (:func:`measure_fma_peak`).
+  torch's threads (:func:`measure_fma_peak`); the ceiling of the bf16/fp16 schemes;
+* u8*s8 peak of the active tier: ``_C.probe_int8``, the same kind of loop of u8*s8 dot
+  products (VNNI where the tier has it) (:func:`measure_int8_peak`); the ceiling of the
+  int8 scheme (INT8 W8A8, ``moe_comp_method=1``), measured only when it is benchmarked.
+
+Weight schemes (``--scheme``): ``bf16`` / ``fp16`` (weights and activations in that
+dtype) and ``int8`` (weights from :func:`cpumoe.quant.quantize_int8_per_channel` of the
+random float weights, activations in ``--dtype``).
+
+Baselines: the eager per-expert loop in the activation dtype (:func:`baseline_moe`; for
+int8 over the dequantized weights); for int8 also a per-expert loop over
+``torch._weight_int8pack_mm`` (:func:`baseline_int8pack_moe`) where torch has it; and,
+with ``--baseline-isa NAME``, the eager loop again in a subprocess started with
+``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g. ``avx512_core_vnni`` to see
+what the eager code does on a CPU without AVX512-BF16 and AMX.
 
 Routing is decode-realistic: every timed call gets a fresh, pre-generated routing
 (random distinct experts per token, softmax-normalised fp32 weights, int32 ids), so
-expert weights come from DRAM rather than from cache. cpumoe and the baseline see the
-same routings. ``benchmarks/README.md`` describes the method and the output fields.
+expert weights come from DRAM rather than from cache. cpumoe and the baselines see the
+same routings (the subprocess regenerates them from the seed). ``benchmarks/README.md``
+describes the method and the output fields.
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
-:func:`measure_fma_peak`, :func:`run_case`, :func:`baseline_moe`, :func:`machine_info`.
-Smoke run (seconds): ``main(["--shape", "custom:8,2,256,128", "--m", "1,4", "--iters", "2"])``.
+:func:`measure_fma_peak`, :func:`measure_int8_peak`, :func:`run_case`,
+:func:`baseline_moe`, :func:`baseline_int8pack_moe`, :func:`run_capped_baseline`,
+:func:`machine_info`. Smoke run (seconds):
+``main(["--shape", "custom:8,2,256,128", "--scheme", "bf16,int8", "--m", "1,4", "--iters", "2"])``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -40,7 +60,8 @@ import torch.nn.functional as F
 
 from . import _C
 from ._progress import Progress
-from .ops import convert_weight_packed, fused_experts
+from .ops import MoeCompMethod, convert_weight_packed, fused_experts
+from .quant import quantize_int8_per_channel
 
 # ---- shapes ----------------------------------------------------------------------------
 
@@ -70,6 +91,15 @@ DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_M = (1, 4, 16, 64, 256, 512)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEMES = ("bf16", "fp16", "int8")  # weight schemes: float weights in a dtype, or INT8 W8A8
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+        return dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def parse_shapes(spec: str) -> List[Shape]:
@@ -119,11 +149,29 @@ def _as_shape(shape) -> Shape:
     return _check_shape(Shape(f"custom-{E}x{topk}-{K}x{N}", E, topk, K, N))
 
 
+def parse_schemes(text: str) -> List[str]:
+    """Comma list of weight schemes (``bf16``, ``fp16``, ``int8``), duplicates dropped."""
+    out: List[str] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part not in SCHEMES:
+            raise argparse.ArgumentTypeError(
+                f"unknown scheme '{part}': expected a comma list of {', '.join(SCHEMES)}")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise argparse.ArgumentTypeError("--scheme expects at least one scheme")
+    return out
+
+
 def _parse_m(text: str) -> List[int]:
     try:
         ms = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--m expects a comma list of integers, got '{text}'")
+        raise argparse.ArgumentTypeError(
+            f"--m expects a comma list of integers, got '{text}'") from None
     if not ms or any(m <= 0 for m in ms):
         raise argparse.ArgumentTypeError(f"--m expects positive integers, got '{text}'")
     return ms
@@ -205,8 +253,11 @@ class OthersLoad:
     """Context manager: the share of all CPUs' capacity used by *other* processes (and
     stolen by the hypervisor) while the block runs: (busy jiffies of all CPUs from
     /proc/stat + steal - this process's CPU time) / (CPUs x wall time). ``fraction`` is
-    None where /proc/stat is unavailable. On a 2-core machine anything above ~0.1 means
-    the block's timings are disturbed."""
+    None where /proc/stat is unavailable or the block took under ``MIN_WALL`` seconds (the
+    counters tick every 10 ms, too coarse for shorter blocks). On a 2-core machine anything
+    above ~0.1 means the block's timings are disturbed."""
+
+    MIN_WALL = 0.2
 
     def __init__(self):
         self.fraction: Optional[float] = None
@@ -234,11 +285,11 @@ class OthersLoad:
         t = os.times()
         own = t.user + t.system - self._own0
         wall = time.perf_counter() - self._wall0
-        if busy1 is None or self._busy0 is None or wall <= 0:
+        if busy1 is None or self._busy0 is None or wall < self.MIN_WALL:
             return
         ncpu = os.cpu_count() or 1
-        # jiffies are coarse (10 ms): clamp small negative noise to 0
-        self.fraction = max(0.0, (busy1 - self._busy0 - own) / (ncpu * wall))
+        # jiffies are coarse (10 ms): clamp the noise into [0, 1]
+        self.fraction = min(1.0, max(0.0, (busy1 - self._busy0 - own) / (ncpu * wall)))
 
 
 def machine_info() -> dict:
@@ -315,14 +366,16 @@ def measure_read_bandwidth(buffer_bytes: Optional[int] = None, runs: int = 5, pa
     return _stat(s, stat)
 
 
-def _fma_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
-    """Runs ``_C.probe_fma`` (the active tier's register-only fp32 FMA loop, on each of
-    torch's threads): a short calibration, then ``runs`` runs of ~``target_seconds``."""
+def _probe_rate_samples(probe: Callable[[int], float], target_seconds: float,
+                        runs: int) -> dict:
+    """Times a register-only probe ``probe(iterations) -> operations done in total`` (on each
+    of torch's threads): a short calibration, then ``runs`` runs of ~``target_seconds``.
+    Returns the per-run rates in 1e9 operations/s."""
     iters = 1 << 18
-    _C.probe_fma(iters)  # wake the threads / vector units up
+    probe(iters)  # wake the threads / vector units up
     while True:
         t0 = time.perf_counter()
-        _C.probe_fma(iters)
+        probe(iters)
         dt = time.perf_counter() - t0
         if dt >= 0.02 or iters >= 1 << 40:
             break
@@ -331,16 +384,39 @@ def _fma_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
     samples = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        flops = _C.probe_fma(iters)
+        ops = probe(iters)
         dt = time.perf_counter() - t0
-        samples.append(flops / dt / 1e9)
-    return {"samples_gflops": samples, "iterations": iters, "seconds_per_run": target_seconds}
+        samples.append(ops / dt / 1e9)
+    return {"samples": samples, "iterations": iters, "seconds_per_run": target_seconds}
+
+
+def _fma_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
+    """Runs ``_C.probe_fma`` (the active tier's register-only fp32 FMA loop, on each of
+    torch's threads): a short calibration, then ``runs`` runs of ~``target_seconds``."""
+    r = _probe_rate_samples(_C.probe_fma, target_seconds, runs)
+    return {"samples_gflops": r["samples"], "iterations": r["iterations"],
+            "seconds_per_run": target_seconds}
+
+
+def _int8_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
+    """Runs ``_C.probe_int8`` (the active tier's register-only loop of u8*s8 dot products,
+    VNNI where the tier has it, 2 ops per multiply-add, on each of torch's threads) like
+    :func:`_fma_peak_samples`."""
+    r = _probe_rate_samples(_C.probe_int8, target_seconds, runs)
+    return {"samples_gops": r["samples"], "iterations": r["iterations"],
+            "seconds_per_run": target_seconds}
 
 
 def measure_fma_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
     """fp32 FMA peak of the active tier in GFLOP/s on torch's current threads
     (best of ``runs`` runs of ~``target_seconds`` by default)."""
     return _stat(_fma_peak_samples(target_seconds, runs)["samples_gflops"], stat)
+
+
+def measure_int8_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
+    """u8*s8 multiply-add peak of the active tier in GOP/s (2 ops per multiply-add) on
+    torch's current threads (best of ``runs`` runs of ~``target_seconds`` by default)."""
+    return _stat(_int8_peak_samples(target_seconds, runs)["samples_gops"], stat)
 
 
 def _stat(samples: Sequence[float], stat: str) -> float:
@@ -355,29 +431,77 @@ def _stat(samples: Sequence[float], stat: str) -> float:
 
 
 class ExpertWeights:
-    """Random expert weights of one shape: unpacked ``w1 [E, 2N, K]``, ``w2 [E, K, N]``
-    (for the baseline) and their packed copies ``w1p``, ``w2p`` (for cpumoe).
+    """Random expert weights of one shape and weight scheme: unpacked ``w1 [E, 2N, K]``,
+    ``w2 [E, K, N]`` in the activation dtype (for the eager baseline) and the packed
+    copies ``w1p``, ``w2p`` cpumoe reads.
 
     Values are normal with std 1/sqrt(K) (w1) and 1/sqrt(N) (w2), so activations stay
     O(1) and fp16 does not overflow. For speed they are copied from a 16 Mi-value random
     pool at random offsets; values do not affect timing.
+
+    ``scheme`` is ``"bf16"`` / ``"fp16"`` (weights in that dtype, which is then also the
+    activation dtype; the default is ``dtype``'s) or ``"int8"``: the float weights in
+    ``dtype`` are quantized per expert with :func:`cpumoe.quant.quantize_int8_per_channel`
+    into ``q1``, ``q2`` (int8, unpacked) and ``s1 [E, 2N, 1]``, ``s2 [E, K, 1]`` (fp32);
+    ``w1``/``w2`` then hold the dequantized weights ``q * s`` in ``dtype`` and ``w1p``/
+    ``w2p`` the packed int8 weights (``[E, OC, IC + 4]``).
     """
 
-    def __init__(self, shape: Shape, dtype: str = "bf16", seed: int = 0, pack: bool = True):
+    def __init__(self, shape: Shape, dtype: str = "bf16", seed: int = 0, pack: bool = True,
+                 scheme: Optional[str] = None):
         self.shape = shape
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.scheme = scheme or _dtype_name(self.dtype)
+        if self.scheme in DTYPES:
+            self.dtype = DTYPES[self.scheme]
+        elif self.scheme != "int8":
+            raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
         g = torch.Generator().manual_seed(seed)
         E, K, N = shape.E, shape.K, shape.N
         self.w1 = torch.empty(E, 2 * N, K, dtype=self.dtype)
         self.w2 = torch.empty(E, K, N, dtype=self.dtype)
         _fill_random(self.w1, 1.0 / math.sqrt(K), g)
         _fill_random(self.w2, 1.0 / math.sqrt(N), g)
-        self.w1p = convert_weight_packed(self.w1) if pack else None
-        self.w2p = convert_weight_packed(self.w2) if pack else None
+        self.q1 = self.q2 = self.s1 = self.s2 = None
+        if self.scheme == "int8":
+            self.q1, self.s1 = _quantize_experts(self.w1)
+            self.q2, self.s2 = _quantize_experts(self.w2)
+            packed = (self.q1, self.q2)
+        else:
+            packed = (self.w1, self.w2)
+        self.w1p = convert_weight_packed(packed[0]) if pack else None
+        self.w2p = convert_weight_packed(packed[1]) if pack else None
+
+    @property
+    def is_int8(self) -> bool:
+        return self.scheme == "int8"
 
     @property
     def bytes_per_weight(self) -> int:
-        return self.w1.element_size()
+        return 1 if self.is_int8 else self.w1.element_size()
+
+    def expert_bytes(self) -> int:
+        """Bytes cpumoe reads per expert touched: 3·N·K weights, plus for int8 an fp32
+        scale per output channel and the packed layout's 4-byte compensation per row
+        (2N + K rows of w1 and w2)."""
+        n = self.shape.expert_bytes(self.bytes_per_weight)
+        if self.is_int8:
+            n += (4 + 4) * (2 * self.shape.N + self.shape.K)
+        return n
+
+
+def _quantize_experts(w: torch.Tensor):
+    """Per expert: int8 weights and fp32 scales [E, OC, 1] of ``w [E, OC, IC]``; ``w`` is
+    overwritten with its dequantized values (rounded to its dtype). One expert at a time,
+    so the fp32 temporaries stay small."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(*w.shape[:-1], 1, dtype=torch.float32)
+    for e in range(w.shape[0]):
+        qe, se = quantize_int8_per_channel(w[e])
+        q[e].copy_(qe)
+        s[e].copy_(se)
+        w[e].copy_(qe.float() * se)
+    return q, s
 
 
 def _fill_random(t: torch.Tensor, std: float, g: torch.Generator, pool_elems: int = 1 << 24) -> None:
@@ -430,6 +554,53 @@ def baseline_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def baseline_int8pack_moe(x: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor,
+                          q2: torch.Tensor, s2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same per-expert loop as :func:`baseline_moe` with both GEMMs done by
+    ``torch._weight_int8pack_mm(A [T, K], B int8 [OC, K], scales [OC])`` (torch's
+    weight-only int8 matmul; activations stay in ``x``'s dtype): ``q1 [E, 2N, K]``,
+    ``q2 [E, K, N]`` int8, ``s1 [E, 2N]``, ``s2 [E, K]`` in ``x``'s dtype."""
+    N = q2.shape[2]
+    out = torch.zeros_like(x)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        token, slot = torch.where(ids == e)
+        h = torch._weight_int8pack_mm(x[token], q1[e], s1[e])  # [T, 2N]
+        a = F.silu(h[:, :N]) * h[:, N:]
+        y = torch._weight_int8pack_mm(a, q2[e], s2[e])  # [T, K]
+        y = y * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+_INT8PACK_REASON: Dict[torch.dtype, Optional[str]] = {}
+
+
+def int8pack_unavailable(dtype) -> Optional[str]:
+    """None when ``torch._weight_int8pack_mm`` works here for activations of ``dtype``
+    (checked once on a tiny product), else why not."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if dtype not in _INT8PACK_REASON:
+        reason = None
+        try:
+            fn = getattr(torch, "_weight_int8pack_mm", None)
+            if fn is None:
+                reason = f"torch {torch.__version__} has no torch._weight_int8pack_mm"
+            else:
+                a = torch.ones(2, 64, dtype=dtype)
+                b = torch.full((32, 64), 2, dtype=torch.int8)
+                y = fn(a, b, torch.full((32,), 0.5, dtype=dtype))
+                if tuple(y.shape) != (2, 32) or not bool((y.float() == 64).all()):
+                    reason = "torch._weight_int8pack_mm gave a wrong result on a test product"
+        except Exception as e:  # any failure means "not usable here"
+            reason = f"torch._weight_int8pack_mm: {type(e).__name__}: {str(e).splitlines()[0]}"
+        _INT8PACK_REASON[dtype] = reason
+    return _INT8PACK_REASON[dtype]
+
+
 # ---- one case ----------------------------------------------------------------------------------
 
 
@@ -455,108 +626,167 @@ def _iterations(t_est: float, iters: Optional[int], min_time: float, min_iters: 
     return int(min(n, max_iters))
 
 
+def _case_inputs(shape: Shape, M: int, dtype: torch.dtype, seed: int):
+    """The case's hidden states ``x [M, K]``, its 3 warm-up routings and the generator,
+    positioned where the timed routings start (``make_routings(n, ..., g)``; the first
+    ``nb`` of them do not depend on ``n``). Depends only on (seed, M, shape, dtype): every
+    scheme and the capped-baseline subprocess see the same inputs and routings."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + M)
+    x = torch.randn(M, shape.K, generator=g).to(dtype)
+    warm = make_routings(3, M, shape.E, shape.topk, g)
+    return g, x, warm
+
+
+def _warm_up(fn: Callable, warm: List[Routing]) -> float:
+    """Untimed calls on their own routings: allocations, page faults, oneDNN's JIT for the
+    baseline's GEMM shapes. Up to 3 calls while they total under 0.5 s; returns the last
+    one's time (the per-call estimate)."""
+    spent = 0.0
+    for r in warm:
+        t, _ = _timed(fn, r)
+        spent += t
+        if spent >= 0.5:
+            break
+    return t
+
+
+def _time_calls(fn: Callable, routings: List[Routing], tick: Callable[[int], None]):
+    """Times ``fn`` alone on each routing; returns (seconds per call, the first output,
+    the :class:`OthersLoad` of the loop). ``tick(i)`` after call ``i``."""
+    times: List[float] = []
+    first = None
+    with OthersLoad() as load:
+        for i, r in enumerate(routings):
+            t, out = _timed(fn, r)
+            times.append(t)
+            if i == 0:
+                first = out
+            tick(i)
+    return times, first, load
+
+
+def _ticker(report: Callable[[float, str], None], lo: float, width: float, n: int,
+            text: str) -> Callable[[int], None]:
+    return lambda i: report(lo + width * (i + 1) / n, f"{text} {i + 1}/{n}")
+
+
+def _rel_diff(out: torch.Tensor, ref: Optional[torch.Tensor]) -> Optional[float]:
+    if ref is None:
+        return None
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def run_case(
     shape,
     M: int,
     *,
     dtype: str = "bf16",
+    scheme: Optional[str] = None,
     weights: Optional[ExpertWeights] = None,
     iters: Optional[int] = None,
     min_time: float = 1.0,
     min_iters: int = 3,
     max_iters: int = 200,
     baseline: bool = True,
+    int8pack: bool = True,
+    capped: Optional[dict] = None,
     read_gbps: Optional[float] = None,
     fma_peak_gflops: Optional[float] = None,
+    int8_peak_gops: Optional[float] = None,
     seed: int = 0,
     progress: Optional[Callable[[float, str], None]] = None,
 ) -> dict:
-    """Times one (shape, M) case and returns its JSON record.
+    """Times one (shape, scheme, M) case and returns its JSON record.
 
     ``shape`` is a :class:`Shape`, a name accepted by :func:`parse_shapes` or a tuple
-    ``(E, topk, K, N)``. ``weights`` (an :class:`ExpertWeights` of that shape and dtype)
-    is created if not given. Each call gets a fresh pre-generated routing; the number of
-    timed calls is ``iters`` if given, else enough for ``min_time`` seconds, clamped to
-    ``[min_iters, max_iters]`` (estimated from the warm-up). The baseline uses the same
-    routings (a prefix, when it is slower). ``ms`` is the median. Fractions and the
-    bound are filled in when ``read_gbps`` / ``fma_peak_gflops`` are given, else None.
+    ``(E, topk, K, N)``. ``scheme`` is ``"bf16"``/``"fp16"`` (weights and activations in
+    that dtype; overrides ``dtype``) or ``"int8"`` (INT8 W8A8, ``moe_comp_method=1``,
+    activations in ``dtype``); default: ``weights.scheme``, else ``dtype``. ``weights``
+    (an :class:`ExpertWeights` of that shape, scheme and dtype) is created if not given.
+    Each call gets a fresh pre-generated routing; the number of timed calls is ``iters``
+    if given, else enough for ``min_time`` seconds, clamped to ``[min_iters, max_iters]``
+    (estimated from the warm-up). The baselines (``baseline``: the eager loop; for int8
+    and ``int8pack`` also the ``torch._weight_int8pack_mm`` loop where torch has it) use
+    the same routings (a prefix, when slower). ``capped`` is this case's result from
+    :func:`run_capped_baseline`, if any. ``ms`` is the median. Fractions and the bound
+    are filled in when ``read_gbps`` and the scheme's peak (``fma_peak_gflops`` for
+    bf16/fp16, ``int8_peak_gops`` for int8) are given, else None.
     ``progress(fraction_of_case, text)`` is called as the case advances.
     """
     shape = _as_shape(shape)
     if M <= 0:
         raise ValueError(f"M must be positive, got {M}")
+    if scheme is None:
+        scheme = weights.scheme if weights is not None else _dtype_name(dtype)
+    if scheme in DTYPES:
+        dtype = scheme
+    elif scheme != "int8":
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
+    dname = _dtype_name(dtype)
+    tdtype = DTYPES[dname]
     if weights is None:
-        weights = ExpertWeights(shape, dtype, seed)
-    tdtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}[tdtype]
-    if weights.dtype != tdtype or weights.w1.shape != (shape.E, 2 * shape.N, shape.K):
-        raise ValueError("weights do not match the case's shape and dtype")
+        weights = ExpertWeights(shape, dname, seed, scheme=scheme)
+    if (weights.scheme != scheme or weights.dtype != tdtype
+            or weights.w1.shape != (shape.E, 2 * shape.N, shape.K)):
+        raise ValueError("weights do not match the case's shape, scheme and dtype")
     E, topk, K, N = shape.E, shape.topk, shape.K, shape.N
     report = progress or (lambda frac, text: None)
-    label = f"{shape.name} M={M}"
+    label = f"{shape.name} {scheme} M={M}"
 
-    g = torch.Generator().manual_seed(seed * 1_000_003 + M)
-    x = torch.randn(M, K, generator=g).to(tdtype)
-    warm = make_routings(3, M, E, topk, g)
+    g, x, warm = _case_inputs(shape, M, tdtype, seed)
 
-    def call_cpumoe(r: Routing) -> torch.Tensor:
-        return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids, is_vnni=True)
+    if weights.is_int8:
+        def call_cpumoe(r: Routing) -> torch.Tensor:
+            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
+                                 moe_comp_method=MoeCompMethod.INT8_W8A8, w1_scale=weights.s1,
+                                 w2_scale=weights.s2, is_vnni=True)
+    else:
+        def call_cpumoe(r: Routing) -> torch.Tensor:
+            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
+                                 is_vnni=True)
 
     def call_baseline(r: Routing) -> torch.Tensor:
         return baseline_moe(x, weights.w1, weights.w2, r.topk_weights, r.topk_ids)
 
-    def warm_up(fn) -> float:
-        # Untimed calls on their own routings: allocations, page faults, oneDNN's JIT for
-        # the baseline's GEMM shapes. Up to 3 calls while they total under 0.5 s; the last
-        # one estimates the per-call time.
-        spent = 0.0
-        for r in warm:
-            t, _ = _timed(fn, r)
-            spent += t
-            if spent >= 0.5:
-                break
-        return t
+    impls = []  # in-process baselines: (record key, label, fn)
+    if baseline:
+        impls.append(("baseline", "eager baseline", call_baseline))
+    if baseline and int8pack and weights.is_int8 and int8pack_unavailable(tdtype) is None:
+        s1 = weights.s1.squeeze(-1).to(tdtype)  # _weight_int8pack_mm wants [OC] in A's dtype
+        s2 = weights.s2.squeeze(-1).to(tdtype)
 
-    share = 0.5 if baseline else 1.0
+        def call_int8pack(r: Routing) -> torch.Tensor:
+            return baseline_int8pack_moe(x, weights.q1, s1, weights.q2, s2, r.topk_weights,
+                                         r.topk_ids)
+
+        impls.append(("int8pack", "int8pack baseline", call_int8pack))
+
+    share = 1.0 / (1 + len(impls))
+    found: Dict[str, tuple] = {}
     with torch.inference_mode():
         gc.collect()
         report(0.0, f"{label}: cpumoe warm-up")
-        n = _iterations(warm_up(call_cpumoe), iters, min_time, min_iters, max_iters)
+        n = _iterations(_warm_up(call_cpumoe, warm), iters, min_time, min_iters, max_iters)
         routings = make_routings(n, M, E, topk, g)
-        times: List[float] = []
-        out_c = None
-        with OthersLoad() as load_c:
-            for i, r in enumerate(routings):
-                t, out = _timed(call_cpumoe, r)
-                times.append(t)
-                if i == 0:
-                    out_c = out
-                report(share * (i + 1) / n, f"{label}: cpumoe {i + 1}/{n}")
-
-        base_times: List[float] = []
-        rel_diff = None
-        load_b = OthersLoad()
-        if baseline:
-            report(share, f"{label}: eager baseline warm-up")
-            nb = min(_iterations(warm_up(call_baseline), iters, min_time, min_iters, max_iters), n)
-            out_b = None
-            with OthersLoad() as load_b:
-                for i, r in enumerate(routings[:nb]):
-                    t, out = _timed(call_baseline, r)
-                    base_times.append(t)
-                    if i == 0:
-                        out_b = out
-                    report(share + share * (i + 1) / nb,
-                           f"{label}: eager baseline {i + 1}/{nb}")
-            ref = out_b.float()
-            rel_diff = float((out_c.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        times, out_c, load_c = _time_calls(call_cpumoe, routings,
+                                           _ticker(report, 0.0, share, n, f"{label}: cpumoe"))
+        for k, (key, name, fn) in enumerate(impls):
+            lo = share * (k + 1)
+            report(lo, f"{label}: {name} warm-up")
+            nb = min(_iterations(_warm_up(fn, warm), iters, min_time, min_iters, max_iters), n)
+            bt, out_b, load_b = _time_calls(fn, routings[:nb],
+                                            _ticker(report, lo, share, nb, f"{label}: {name}"))
+            found[key] = (bt, _rel_diff(out_c, out_b), load_b.fraction)
 
     distinct = statistics.fmean(int(torch.unique(r.topk_ids).numel()) for r in routings)
-    weight_bytes = distinct * shape.expert_bytes(weights.bytes_per_weight)
+    weight_bytes = distinct * weights.expert_bytes()
     flops = 2.0 * M * topk * 3 * N * K
     sec = statistics.median(times)
+    peak = int8_peak_gops if weights.is_int8 else fma_peak_gflops
     rec = {
-        "shape": shape.name, "E": E, "topk": topk, "K": K, "N": N, "M": M, "dtype": dname,
+        "shape": shape.name, "scheme": scheme, "E": E, "topk": topk, "K": K, "N": N, "M": M,
+        "dtype": dname,
         "ms": sec * 1e3,
         "ms_min": min(times) * 1e3,
         "iters": len(times),
@@ -566,26 +796,244 @@ def run_case(
         "bw_fraction": None,
         "flops": flops,
         "gflops": flops / sec / 1e9,
+        "peak_kind": "u8s8" if weights.is_int8 else "fp32_fma",
         "peak_fraction": None,
         "bound": None,
         "bound_fraction": None,
-        "baseline_ms": statistics.median(base_times) * 1e3 if base_times else None,
-        "baseline_iters": len(base_times) if base_times else None,
-        "speedup": (statistics.median(base_times) / sec) if base_times else None,
-        "rel_diff_vs_baseline": rel_diff,
-        "others_cpu_fraction": load_c.fraction,
-        "baseline_others_cpu_fraction": load_b.fraction,
     }
+    for key, prefix in (("baseline", "baseline"), ("int8pack", "int8pack")):
+        bt, diff, others = found.get(key, (None, None, None))
+        med = statistics.median(bt) if bt else None
+        rec.update({
+            f"{prefix}_ms": med * 1e3 if med else None,
+            f"{prefix}_iters": len(bt) if bt else None,
+            "speedup" if key == "baseline" else "speedup_int8pack": med / sec if med else None,
+            f"rel_diff_vs_{key}": diff,
+        })
+    cap = capped if capped and capped.get("ms") else None
+    rec.update({
+        "eager_capped_ms": cap["ms"] if cap else None,
+        "eager_capped_iters": cap["iters"] if cap else None,
+        "speedup_capped": cap["ms"] / (sec * 1e3) if cap else None,
+        "rel_diff_vs_capped": _rel_diff(out_c, cap.get("out")) if cap else None,
+        "others_cpu_fraction": load_c.fraction,
+        "baseline_others_cpu_fraction": found.get("baseline", (None,) * 3)[2],
+        "int8pack_others_cpu_fraction": found.get("int8pack", (None,) * 3)[2],
+        "capped_others_cpu_fraction": cap.get("others_cpu_fraction") if cap else None,
+    })
     if read_gbps:
         rec["bw_fraction"] = rec["gbps"] / read_gbps
-    if fma_peak_gflops:
-        rec["peak_fraction"] = rec["gflops"] / fma_peak_gflops
-    if read_gbps and fma_peak_gflops:
+    if peak:
+        rec["peak_fraction"] = rec["gflops"] / peak
+    if read_gbps and peak:
         t_bw = weight_bytes / (read_gbps * 1e9)
-        t_fl = flops / (fma_peak_gflops * 1e9)
+        t_fl = flops / (peak * 1e9)
         rec["bound"] = "bandwidth" if t_bw >= t_fl else "compute"
         rec["bound_fraction"] = max(t_bw, t_fl) / sec
     return rec
+
+
+# ---- eager baseline under a capped oneDNN ISA (subprocess) ---------------------------------
+
+_WORKER_FLAG = "--_baseline-worker"
+_PROGRESS_TAG = "@cpumoe-progress "
+
+
+def run_capped_baseline(isa: str, shapes: Sequence[Shape], schemes: Sequence[str],
+                        ms: Sequence[int], *, dtype: str = "bf16", seed: int = 0,
+                        iters: Optional[int] = None, min_time: float = 1.0,
+                        min_iters: int = 3, max_iters: int = 200,
+                        threads: Optional[int] = None,
+                        progress: Optional[Callable[[float, str], None]] = None) -> dict:
+    """Times the eager baseline (:func:`baseline_moe`) of every (shape, scheme, M) in a
+    subprocess (``python -m cpumoe.bench --_baseline-worker JOB``) started with
+    ``ONEDNN_MAX_CPU_ISA=isa`` (and ``DNNL_MAX_CPU_ISA``), which oneDNN reads once when
+    torch loads it. The subprocess regenerates the weights, hidden states and routings from
+    ``seed`` exactly as :func:`run_case` does, so it times the same calls.
+
+    Returns ``{"isa", "onednn_isa", "matmul_impl": {dtype: oneDNN implementation of the
+    first GEMM, or None when torch did not call oneDNN}, "error", "seconds", "cases":
+    {(shape name, scheme, M): {"ms", "ms_min", "iters", "others_cpu_fraction", "out"
+    (first output, for the difference against cpumoe), "error"}}}``. Never raises for a
+    failing subprocess: ``error`` says why (and ``cases`` holds what finished).
+    """
+    report = progress or (lambda frac, text: None)
+    result: dict = {"isa": isa, "onednn_isa": None, "matmul_impl": {}, "error": None,
+                    "seconds": None, "cases": {}}
+    t0 = time.perf_counter()
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["ONEDNN_MAX_CPU_ISA"] = isa
+    env["DNNL_MAX_CPU_ISA"] = isa  # the name before oneDNN 2.x
+    env.pop("ONEDNN_VERBOSE", None)
+    env.pop("DNNL_VERBOSE", None)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"]
+                                      if env.get("PYTHONPATH") else "")
+    with tempfile.TemporaryDirectory(prefix="cpumoe-bench-") as tmp:
+        job = {
+            "shapes": [[s.name, s.E, s.topk, s.K, s.N] for s in shapes],
+            "schemes": list(schemes), "m": list(ms), "dtype": dtype, "seed": seed,
+            "iters": iters, "min_time": min_time, "min_iters": min_iters,
+            "max_iters": max_iters, "threads": threads or torch.get_num_threads(),
+            "dir": tmp,
+        }
+        job_path = os.path.join(tmp, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        stdout_path = os.path.join(tmp, "stdout.txt")
+        tail: collections.deque = collections.deque(maxlen=15)
+        cmd = [sys.executable, "-m", "cpumoe.bench", _WORKER_FLAG, job_path]
+        try:
+            with open(stdout_path, "w") as so:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=so,
+                                        stderr=subprocess.PIPE, text=True, env=env)
+                try:
+                    for line in proc.stderr:
+                        if line.startswith(_PROGRESS_TAG):
+                            frac, _, text = line[len(_PROGRESS_TAG):].rstrip("\n").partition(" ")
+                            try:
+                                report(float(frac), text)
+                            except ValueError:
+                                pass
+                        elif line.strip():
+                            tail.append(line.rstrip())
+                    rc = proc.wait()
+                except BaseException:
+                    proc.kill()
+                    proc.wait()
+                    raise
+        except OSError as e:
+            result["error"] = f"cannot start {' '.join(cmd)}: {e}"
+            return result
+        try:
+            with open(stdout_path) as f:
+                _parse_onednn_verbose(f, result)
+        except OSError:
+            pass
+        try:
+            with open(os.path.join(tmp, "result.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = None
+        if rc != 0 or doc is None:
+            why = "\n    ".join(tail) or "(no output)"
+            result["error"] = f"subprocess exited with status {rc}:\n    {why}"
+        for c in (doc or {}).get("cases", []):
+            out = None
+            if c.get("out"):
+                try:
+                    out = torch.load(c["out"], weights_only=True)
+                except Exception:  # a missing output only costs the difference check
+                    out = None
+            c["out"] = out
+            result["cases"][(c["shape"], c["scheme"], c["M"])] = c
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def _parse_onednn_verbose(lines, result: dict) -> None:
+    """oneDNN's verbose lines (``onednn_verbose,v1,info,cpu,isa:...`` and
+    ``...,primitive,exec,cpu,matmul,IMPL,...,src:bf16:...``) -> result's ``onednn_isa`` and
+    ``matmul_impl[dtype]``."""
+    names = {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}
+    for line in lines:
+        parts = line.strip().split(",")
+        if not parts or not parts[0].endswith("_verbose"):
+            continue
+        for p in parts:
+            if p.startswith("isa:") and result["onednn_isa"] is None:
+                result["onednn_isa"] = p[4:]
+        if "exec" in parts and "matmul" in parts:  # (the conv's line is not a matmul)
+            i = parts.index("matmul")
+            impl = parts[i + 1] if i + 1 < len(parts) else "?"
+            src = next((p for p in parts if "src:" in p), "")
+            dt = src.split("src:", 1)[1].split(":", 1)[0] if src else "?"
+            result["matmul_impl"].setdefault(names.get(dt, dt), impl)
+
+
+def _baseline_worker(argv: Sequence[str]) -> int:
+    """Subprocess side of :func:`run_capped_baseline`: reads the job JSON, runs a probe
+    GEMM per activation dtype under oneDNN verbose (stdout: which ISA and implementation
+    oneDNN uses), then times :func:`baseline_moe` on every case like :func:`run_case`;
+    writes ``result.json`` (after every case, so a crash keeps what finished) and each
+    case's first output next to the job. Progress lines go to stderr."""
+    if len(argv) != 1:
+        print(f"usage: python -m cpumoe.bench {_WORKER_FLAG} JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    torch.set_num_threads(int(job["threads"]))
+    shapes = [_check_shape(Shape(name, E, topk, K, N)) for name, E, topk, K, N in job["shapes"]]
+    schemes, ms, seed = job["schemes"], job["m"], int(job["seed"])
+    dtypes = sorted({s if s in DTYPES else job["dtype"] for s in schemes})
+    total = len(shapes) * len(schemes) * len(ms)
+
+    def tick(done: float, text: str) -> None:
+        sys.stderr.write(f"{_PROGRESS_TAG}{done / max(total, 1):.4f} {text}\n")
+        sys.stderr.flush()
+
+    s0 = shapes[0]
+    try:  # oneDNN's ISA (an fp32 conv always runs in oneDNN), then its first-GEMM choice
+        with torch.no_grad(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            _ = F.conv2d(torch.randn(1, 32, 32, 32), torch.randn(32, 32, 3, 3))
+            for d in dtypes:
+                _ = torch.randn(64, s0.K).to(DTYPES[d]) @ torch.randn(2 * s0.N, s0.K).to(DTYPES[d]).T
+    except Exception as e:  # only costs the ISA report
+        print(f"oneDNN verbose probe failed: {e}", file=sys.stderr)
+    sys.stdout.flush()
+
+    cases: List[dict] = []
+
+    def save() -> None:
+        tmp = os.path.join(job["dir"], "result.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"cases": cases, "torch_version": torch.__version__}, f)
+        os.replace(tmp, os.path.join(job["dir"], "result.json"))
+
+    save()
+    done = 0
+    for shape in shapes:
+        for scheme in schemes:
+            dname = scheme if scheme in DTYPES else job["dtype"]
+            tick(done, f"{shape.name} {scheme}: generating weights")
+            weights = ExpertWeights(shape, dname, seed, pack=False, scheme=scheme)
+            for M in ms:
+                label = f"{shape.name} {scheme} M={M}: capped eager baseline"
+                rec = {"shape": shape.name, "scheme": scheme, "M": M, "error": None}
+                try:
+                    timed, out = _time_baseline_case(shape, M, weights, seed, job, label,
+                                                     lambda f, text, d=done: tick(d + f, text))
+                    rec.update(timed)
+                    rec["out"] = os.path.join(job["dir"], f"out-{len(cases)}.pt")
+                    torch.save(out, rec["out"])
+                except Exception as e:  # report it and go on with the next case
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                cases.append(rec)
+                save()
+                done += 1
+            del weights
+            gc.collect()
+    tick(total, "done")
+    return 0
+
+
+def _time_baseline_case(shape: Shape, M: int, weights: ExpertWeights, seed: int, job: dict,
+                        label: str, report: Callable[[float, str], None]) -> dict:
+    g, x, warm = _case_inputs(shape, M, weights.dtype, seed)
+
+    def call_baseline(r: Routing) -> torch.Tensor:
+        return baseline_moe(x, weights.w1, weights.w2, r.topk_weights, r.topk_ids)
+
+    with torch.inference_mode():
+        gc.collect()
+        report(0.0, f"{label} warm-up")
+        nb = _iterations(_warm_up(call_baseline, warm), job["iters"], job["min_time"],
+                         job["min_iters"], job["max_iters"])
+        routings = make_routings(nb, M, shape.E, shape.topk, g)
+        times, out, load = _time_calls(call_baseline, routings,
+                                       _ticker(report, 0.0, 1.0, nb, label))
+    return ({"ms": statistics.median(times) * 1e3, "ms_min": min(times) * 1e3,
+             "iters": len(times), "others_cpu_fraction": load.fraction}, out)
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -593,6 +1041,7 @@ def run_case(
 _COLUMNS = [
     # header, width, formatter(record)
     ("shape", 17, lambda r: r["shape"]),
+    ("scheme", 6, lambda r: r.get("scheme") or r["dtype"]),
     ("M", 5, lambda r: str(r["M"])),
     ("ms", 9, lambda r: f"{r['ms']:.2f}"),
     ("wt MB", 8, lambda r: f"{r['weight_bytes'] / 1e6:.0f}"),
@@ -602,18 +1051,34 @@ _COLUMNS = [
     ("%peak", 6, lambda r: _pct(r["peak_fraction"])),
     ("bound", 6, lambda r: {"bandwidth": "bw", "compute": "flop"}.get(r["bound"], "-")),
     ("%bound", 7, lambda r: _pct(r["bound_fraction"])),
-    ("eager ms", 10, lambda r: "-" if r["baseline_ms"] is None else f"{r['baseline_ms']:.2f}"),
-    ("speedup", 8, lambda r: "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"),
+    ("eager ms", 10, lambda r: _ms(r["baseline_ms"])),
+    ("speedup", 8, lambda r: _ratio(r["speedup"])),
     ("others", 7, lambda r: _others(r)),
 ]
+# extra columns, before "others": the int8pack baseline (int8 runs) and the capped baseline
+_INT8PACK_COLUMNS = [
+    ("int8pack ms", 11, lambda r: _ms(r.get("int8pack_ms"))),
+    ("vs int8pack", 11, lambda r: _ratio(r.get("speedup_int8pack"))),
+]
+_CAPPED_COLUMNS = [
+    ("capped ms", 10, lambda r: _ms(r.get("eager_capped_ms"))),
+    ("vs capped", 9, lambda r: _ratio(r.get("speedup_capped"))),
+]
+
+
+def table_columns(int8pack: bool = False, capped: bool = False) -> list:
+    """The table's columns: the base ones, plus the int8pack and/or capped baseline's."""
+    extra = (_INT8PACK_COLUMNS if int8pack else []) + (_CAPPED_COLUMNS if capped else [])
+    return _COLUMNS[:-1] + extra + _COLUMNS[-1:]
 
 NOISY = 0.10  # others' share of the CPUs above which a row is flagged
 
 
 def case_others_fraction(rec: dict) -> Optional[float]:
     """Largest share of the CPUs used by other processes while the case was timed."""
-    vals = [v for v in (rec.get("others_cpu_fraction"), rec.get("baseline_others_cpu_fraction"))
-            if v is not None]
+    keys = ("others_cpu_fraction", "baseline_others_cpu_fraction",
+            "int8pack_others_cpu_fraction", "capped_others_cpu_fraction")
+    vals = [rec[k] for k in keys if rec.get(k) is not None]
     return max(vals) if vals else None
 
 
@@ -628,13 +1093,23 @@ def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
-def format_header_row() -> str:
-    cells = [h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _) in enumerate(_COLUMNS)]
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_header_row(columns: Optional[list] = None) -> str:
+    cols = _COLUMNS if columns is None else columns
+    cells = [h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _) in enumerate(cols)]
     return " ".join(cells)
 
 
-def format_row(rec: dict) -> str:
-    cells = [f(rec).ljust(w) if i == 0 else f(rec).rjust(w) for i, (_, w, f) in enumerate(_COLUMNS)]
+def format_row(rec: dict, columns: Optional[list] = None) -> str:
+    cols = _COLUMNS if columns is None else columns
+    cells = [f(rec).ljust(w) if i == 0 else f(rec).rjust(w) for i, (_, w, f) in enumerate(cols)]
     return " ".join(cells)
 
 
@@ -651,8 +1126,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "custom:E,topk,K,N; join several with '+'")
     p.add_argument("--m", type=_parse_m, default=list(DEFAULT_M), metavar="M,M,...",
                    help="token counts (default: %s)" % ",".join(map(str, DEFAULT_M)))
+    p.add_argument("--scheme", type=parse_schemes, default=None, metavar="S,S,...",
+                   help="weight schemes, comma list of bf16, fp16 (weights and activations in "
+                        "that dtype) and int8 (INT8 W8A8, moe_comp_method=1: per-channel int8 "
+                        "weights, activations in --dtype) (default: --dtype, i.e. bf16)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="activation and weight dtype (default bf16)")
+                   help="activation and weight dtype when --scheme is not given; the "
+                        "activation dtype of int8 rows (default bf16)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N) first (default: keep torch's, %d here)"
                         % torch.get_num_threads())
@@ -663,7 +1143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "not given; at least 3 calls (fewer if they would take over 4x this), "
                         "at most 200 (default 2.0)")
     p.add_argument("--no-baseline", action="store_true",
-                   help="skip the PyTorch eager per-expert baseline")
+                   help="skip the in-process baselines (the PyTorch eager per-expert loop and, "
+                        "for int8, the torch._weight_int8pack_mm loop)")
+    p.add_argument("--baseline-isa", metavar="NAME", default=None,
+                   help="also time the eager baseline in a subprocess started with "
+                        "ONEDNN_MAX_CPU_ISA=NAME, e.g. avx512_core_vnni (a Cascade Lake class "
+                        "CPU: no AVX512-BF16, no AMX) or avx2 (columns 'capped ms', "
+                        "'vs capped'); independent of --no-baseline")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write a JSON document to PATH ('-' = stdout; the table then "
                         "goes to stderr)")
@@ -678,22 +1164,29 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_parser(prog: str = "python -m cpumoe bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Time cpumoe.fused_experts on MoE model shapes against the machine's "
-                    "measured streaming-read bandwidth and fp32 FMA peak, and against the "
-                    "PyTorch eager per-expert loop.")
+        description="Time cpumoe.fused_experts (bf16/fp16 or INT8 W8A8 weights) on MoE model "
+                    "shapes against the machine's measured streaming-read bandwidth and fp32 "
+                    "FMA / u8*s8 peak, and against the PyTorch eager per-expert loop.")
     return add_arguments(p)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m cpumoe bench``; returns 0 on success."""
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if argv[:1] == [_WORKER_FLAG]:  # the subprocess of --baseline-isa
+        return _baseline_worker(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args = parser.parse_args(argv)
     try:
         shapes = parse_shapes(args.shape)
     except ValueError as e:
         parser.error(str(e))
     if args.iters is not None and args.iters <= 0:
         parser.error("--iters must be positive")
+    if args.scheme is None:
+        args.scheme = [args.dtype]
+    if args.baseline_isa is not None and not args.baseline_isa.strip():
+        parser.error("--baseline-isa needs a oneDNN ISA name, e.g. avx512_core_vnni")
     if args.threads is not None:
         if args.threads <= 0:
             parser.error("--threads must be positive")
@@ -701,14 +1194,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run(args, shapes)
 
 
+def _scheme_text(schemes: Sequence[str], dtype: str) -> str:
+    if list(schemes) == [dtype] or all(s in DTYPES for s in schemes):
+        return ", ".join(schemes)
+    return ", ".join(schemes) + f" (int8 = W8A8, {dtype} activations)"
+
+
 def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     t_start = time.perf_counter()
     json_stdout = args.json == "-"
     out = sys.stderr if json_stdout else sys.stdout  # the human-readable table
     show_bar = args.progress or (not json_stdout and sys.stderr.isatty())
-    total_cases = len(shapes) * len(args.m)
-    # budget: 1 unit per case, plus 0.5 for the limits at the start and 0.25 at the end
-    bar = Progress(total_cases + 0.75, enabled=show_bar)
+    schemes = list(args.scheme)
+    has_int8 = "int8" in schemes
+    capped_isa = args.baseline_isa.strip() if args.baseline_isa else None
+    total_cases = len(shapes) * len(schemes) * len(args.m)
+    # budget: 1 unit per case, 0.5 per case for the capped baseline, 0.5 (0.7 with the u8*s8
+    # peak) for the limits at the start and 0.25 at the end
+    t_limits = 0.7 if has_int8 else 0.5
+    t_capped = 0.5 * total_cases if capped_isa else 0.0
+    bar = Progress(total_cases + t_limits + t_capped + 0.25, enabled=show_bar)
 
     def emit(line: str = "") -> None:
         bar.write(line, out)
@@ -716,17 +1221,37 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     info = machine_info()
     busy0 = cpu_busy_fraction()
     bw_bytes = args.bw_mib << 20 if args.bw_mib else None
+    int8pack_reason = int8pack_unavailable(args.dtype) if has_int8 else None
+    int8pack_cols = has_int8 and not args.no_baseline and int8pack_reason is None
+    columns = table_columns(int8pack=int8pack_cols, capped=bool(capped_isa))
     try:
         bar.update(0.0, "measuring streaming-read bandwidth", force=True)
         bw0 = _read_bandwidth_samples(bw_bytes)
         bar.update(0.3, "measuring fp32 FMA peak", force=True)
         fma = _fma_peak_samples()
+        i8 = None
+        if has_int8:
+            bar.update(0.5, "measuring u8*s8 peak", force=True)
+            i8 = _int8_peak_samples()
         read_gbps = max(bw0["samples_gbps"])
         peak = max(fma["samples_gflops"])
-        bar.update(0.5, "limits measured")
+        peak_i8 = max(i8["samples_gops"]) if i8 else None
+        bar.update(t_limits, "limits measured")
+
+        capped = None
+        if capped_isa:
+            bar.update(t_limits, f"eager baseline with ONEDNN_MAX_CPU_ISA={capped_isa} "
+                                 "(subprocess): starting", force=True)
+            capped = run_capped_baseline(
+                capped_isa, shapes, schemes, args.m, dtype=args.dtype, seed=args.seed,
+                iters=args.iters, min_time=args.min_time,
+                progress=lambda f, text: bar.update(t_limits + t_capped * f,
+                                                    f"[{capped_isa}] {text}"))
+            bar.update(t_limits + t_capped)
+        t0_cases = t_limits + t_capped
 
         emit(f"cpumoe {info['cpumoe_version']} bench: tier {info['tier']}, {info['threads']} "
-             f"threads, {args.dtype}, torch {info['torch_version']}")
+             f"threads, {_scheme_text(schemes, args.dtype)}, torch {info['torch_version']}")
         emit(f"CPU: {info['cpu_model']} ({info['logical_cpus']} logical CPUs"
              + (f", LLC {_fmt_bytes(info['last_level_cache_bytes'])}"
                 if info["last_level_cache_bytes"] else "") + ")")
@@ -736,39 +1261,68 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
              f"{statistics.median(bw0['samples_gbps']):.1f})")
         emit(f"fp32 FMA peak:  {peak:.0f} GFLOP/s (best of {len(fma['samples_gflops'])} runs "
              f"of ~{fma['seconds_per_run']} s; median "
-             f"{statistics.median(fma['samples_gflops']):.0f})")
+             f"{statistics.median(fma['samples_gflops']):.0f})"
+             + ("; %peak and bound of bf16/fp16 rows" if has_int8 else ""))
+        if i8:
+            emit(f"u8*s8 peak:     {peak_i8:.0f} GOP/s (best of {len(i8['samples_gops'])} runs "
+                 f"of ~{i8['seconds_per_run']} s; median "
+                 f"{statistics.median(i8['samples_gops']):.0f}); %peak and bound of int8 rows")
         if busy0 is not None and busy0 > 0.1:
             emit(f"WARNING: other processes kept the CPUs {100 * busy0:.0f}% busy just before "
                  "the run; figures will be noisy")
         emit("fresh random routing on every call (weights come from DRAM); ms = median; "
              "%bw, %peak, %bound vs the limits above;")
+        if not args.no_baseline:
+            emit("speedup = eager per-expert PyTorch loop in the row's activation dtype"
+                 + (" (int8 rows: over the dequantized weights)" if has_int8 else "")
+                 + " / cpumoe;")
+        if has_int8 and not args.no_baseline:
+            if int8pack_reason is None:
+                emit(f"vs int8pack = per-expert loop over torch._weight_int8pack_mm (int8 "
+                     f"weights, {args.dtype} activations) / cpumoe, int8 rows;")
+            else:
+                emit(f"int8pack baseline skipped: {int8pack_reason}")
+        if capped:
+            impls = ", ".join(f"{d} GEMM {v}" for d, v in sorted(capped["matmul_impl"].items()))
+            no_onednn = [d for d in sorted({s if s in DTYPES else args.dtype for s in schemes})
+                         if d not in capped["matmul_impl"]]
+            impls += "".join(f", {d} GEMM not in oneDNN" for d in no_onednn)
+            emit(f"vs capped = the eager loop in a subprocess with ONEDNN_MAX_CPU_ISA={capped_isa}"
+                 f" / cpumoe (oneDNN there: {capped['onednn_isa'] or 'isa unknown'}"
+                 f"{'; ' + impls.lstrip(', ') if impls else ''});")
+            if capped["error"]:
+                emit(f"capped baseline FAILED: {capped['error']}")
         emit("others = share of the CPUs used by other processes while the case was timed")
         emit()
-        emit(format_header_row())
+        emit(format_header_row(columns))
 
         cases: List[dict] = []
         done = 0
         for shape in shapes:
-            bar.update(0.5 + done, f"{shape.name}: generating and packing weights", force=True)
-            weights = ExpertWeights(shape, args.dtype, args.seed)
-            for M in args.m:
-                rec = run_case(
-                    shape, M, dtype=args.dtype, weights=weights, iters=args.iters,
-                    min_time=args.min_time, baseline=not args.no_baseline,
-                    read_gbps=read_gbps, fma_peak_gflops=peak, seed=args.seed,
-                    progress=lambda f, text, d=done: bar.update(0.5 + d + f, text))
-                cases.append(rec)
-                emit(format_row(rec))
-                done += 1
-                bar.update(0.5 + done)
-            del weights
-            gc.collect()
+            for scheme in schemes:
+                bar.update(t0_cases + done, f"{shape.name} {scheme}: generating and packing "
+                                            "weights", force=True)
+                weights = ExpertWeights(shape, args.dtype, args.seed, scheme=scheme)
+                for M in args.m:
+                    cap = capped["cases"].get((shape.name, scheme, M)) if capped else None
+                    rec = run_case(
+                        shape, M, dtype=args.dtype, scheme=scheme, weights=weights,
+                        iters=args.iters, min_time=args.min_time,
+                        baseline=not args.no_baseline, capped=cap, read_gbps=read_gbps,
+                        fma_peak_gflops=peak, int8_peak_gops=peak_i8, seed=args.seed,
+                        progress=lambda f, text, d=done: bar.update(t0_cases + d + f, text))
+                    cases.append(rec)
+                    emit(format_row(rec, columns))
+                    done += 1
+                    bar.update(t0_cases + done)
+                del weights
+                gc.collect()
 
-        bar.update(0.5 + done, "re-measuring streaming-read bandwidth", force=True)
+        bar.update(t0_cases + done, "re-measuring streaming-read bandwidth", force=True)
         bw1 = _read_bandwidth_samples(bw_bytes)
         read_end = max(bw1["samples_gbps"])
         busy1 = cpu_busy_fraction()
-        bar.update(0.75 + done)
+        bar.update(t0_cases + done + 0.25)
         wall = time.perf_counter() - t_start
         emit()
         drift = (read_end - read_gbps) / read_gbps
@@ -778,10 +1332,19 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         if noisy:
             emit(f"* {len(noisy)} case(s) ran while other processes used more than "
                  f"{100 * NOISY:.0f}% of the CPUs (column 'others'); rerun them on a quiet machine")
-        diffs = [c["rel_diff_vs_baseline"] for c in cases if c["rel_diff_vs_baseline"] is not None]
-        if diffs:
-            emit(f"cpumoe vs eager baseline: max relative L2 difference {max(diffs):.1e}"
-                 + ("  -- LARGER THAN EXPECTED" if max(diffs) > 5e-2 else ""))
+        for key, name in (("rel_diff_vs_baseline", "eager baseline"),
+                          ("rel_diff_vs_int8pack", "int8pack baseline"),
+                          ("rel_diff_vs_capped", "capped eager baseline")):
+            diffs = [c[key] for c in cases if c[key] is not None]
+            if diffs:
+                emit(f"cpumoe vs {name}: max relative L2 difference {max(diffs):.1e}"
+                     + ("  -- LARGER THAN EXPECTED" if max(diffs) > 5e-2 else ""))
+        if capped:
+            failed = [c for c in capped["cases"].values() if c.get("error")]
+            for c in failed:
+                emit(f"capped baseline failed on {c['shape']} {c['scheme']} M={c['M']}: "
+                     f"{c['error']}")
+            emit(f"capped baseline subprocess: {capped['seconds']:.1f} s")
         if busy1 is not None and busy1 > 0.1:
             emit(f"WARNING: other processes kept the CPUs {100 * busy1:.0f}% busy at the end "
                  "of the run; figures may be noisy")
@@ -807,12 +1370,24 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         "fma_peak_gflops": peak,
         "fma_statistic": "best of runs",
         "fma_samples_gflops": fma["samples_gflops"],
+        "int8_peak_gops": peak_i8,
+        "int8_statistic": "best of runs" if i8 else None,
+        "int8_samples_gops": i8["samples_gops"] if i8 else None,
+        "capped_baseline": None if capped is None else {
+            "isa": capped["isa"], "onednn_isa": capped["onednn_isa"],
+            "matmul_impl": capped["matmul_impl"], "error": capped["error"],
+            "seconds": capped["seconds"],
+            "case_errors": [f"{c['shape']} {c['scheme']} M={c['M']}: {c['error']}"
+                            for c in capped["cases"].values() if c.get("error")],
+        },
     })
     doc = {
         "machine": machine,
         "settings": {
-            "shapes": [s.name for s in shapes], "m": args.m, "dtype": args.dtype,
-            "iters": args.iters, "min_time": args.min_time, "baseline": not args.no_baseline,
+            "shapes": [s.name for s in shapes], "m": args.m, "schemes": schemes,
+            "dtype": args.dtype, "iters": args.iters, "min_time": args.min_time,
+            "baseline": not args.no_baseline, "baseline_isa": capped_isa,
+            "int8pack_unavailable": int8pack_reason,
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",
         },
         "cases": cases,
