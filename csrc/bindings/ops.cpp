@@ -67,10 +67,9 @@ void check_scheme(int64_t moe_comp_method, const char *op) {
               ": moe_comp_method must be 0 (bf16/fp16), 1 (int8 w8a8), 2 (fp8 w8a16) or 3 "
               "(int4 w4a8), got ",
               moe_comp_method);
-  TORCH_CHECK(moe_comp_method == 0 || moe_comp_method == 1, op, ": moe_comp_method ",
-              scheme_name(moe_comp_method),
-              " is not implemented in this version of cpumoe; 0 (bf16/fp16 weights) and 1 (int8 "
-              "w8a8) are");
+  TORCH_CHECK(moe_comp_method <= 2, op, ": moe_comp_method ", scheme_name(moe_comp_method),
+              " is not implemented in this version of cpumoe; 0 (bf16/fp16 weights), 1 (int8 "
+              "w8a8) and 2 (fp8 w8a16) are");
 }
 
 // What a weight scheme expects of w1/w2 and their scales.
@@ -80,12 +79,20 @@ struct SchemeSpec {
   at::ScalarType weight_dtype;  // bf16/fp16 weights carry the activation dtype
   int64_t packed_extra_cols;    // a packed row is IC + this long (int8: 4 bytes of comp)
   bool channel_scales;          // per output channel fp32 scales required
+  bool block_scales;            // 2-D block scales and block_size required (fp8)
 };
 
 SchemeSpec scheme_spec(int64_t method, at::ScalarType act) {
   if (method == 1)
-    return {CPUMOE_SCHEME_INT8_W8A8, "moe_comp_method 1 (int8 w8a8)", at::kChar, 4, true};
-  return {CPUMOE_SCHEME_UNQUANT, "moe_comp_method 0 (bf16/fp16 weights)", act, 0, false};
+    return {CPUMOE_SCHEME_INT8_W8A8, "moe_comp_method 1 (int8 w8a8)", at::kChar, 4, true, false};
+  if (method == 2)
+    return {CPUMOE_SCHEME_FP8_W8A16,
+            "moe_comp_method 2 (fp8 w8a16)",
+            at::kFloat8_e4m3fn,
+            0,
+            false,
+            true};
+  return {CPUMOE_SCHEME_UNQUANT, "moe_comp_method 0 (bf16/fp16 weights)", act, 0, false, false};
 }
 
 void check_unused(const std::optional<at::Tensor> &t, const char *name, const char *op,
@@ -107,6 +114,42 @@ const float *channel_scale(const std::optional<at::Tensor> &s, const char *name,
   return s->data_ptr<float>();
 }
 
+// FP8 block_size = [block_n, block_k]: required, two positive ints, block_k even.
+std::pair<int64_t, int64_t> fp8_block_size(at::OptionalIntArrayRef block_size, const char *op) {
+  TORCH_CHECK(block_size.has_value(), op,
+              ": missing block_size for fp8 w8a16 (e.g. [128, 128], DeepSeek's weight_block_size)");
+  TORCH_CHECK(block_size->size() == 2, op,
+              ": expect block_size to have 2 values [block_n, "
+              "block_k], got ",
+              block_size->size());
+  const int64_t bn = (*block_size)[0], bk = (*block_size)[1];
+  TORCH_CHECK(bn >= 1 && bk >= 1, op, ": block_size values must be positive, got [", bn, ", ", bk,
+              "]");
+  TORCH_CHECK(bk % 2 == 0, op, ": block_size[1] (block_k) = ", bk,
+              " must be even: the packed layout pairs consecutive k, so a pair cannot straddle "
+              "two scale blocks");
+  return {bn, bk};
+}
+
+// Checks an fp8 2-D block scale: fp32 [lead..., ceil(OC/bn), ceil(IC/bk)].
+const float *block_scale(const std::optional<at::Tensor> &s, const char *name, const char *op,
+                         std::vector<int64_t> shape) {
+  const c10::IntArrayRef expected(shape);
+  TORCH_CHECK(s.has_value(), op, ": missing ", name,
+              " for fp8 w8a16 (float32 block scales of shape ", expected, ")");
+  check_cpu_tensor(*s, name, op);
+  TORCH_CHECK(s->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              dtype_name(s->scalar_type()));
+  TORCH_CHECK(s->sizes() == expected, op, ": ", name, " must have shape ", expected,
+              " (ceil(out_features / block_n), ceil(in_features / block_k)), got ", s->sizes());
+  TORCH_CHECK(s->is_contiguous(), op, ": ", name, " must be contiguous");
+  return s->data_ptr<float>();
+}
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
 // Packs validated [..., OC, IC] weights (docs/FORMATS.md): VNNI-2 for 16-bit dtypes,
 // VNNI-4 plus int32 compensation ([..., OC, IC + 4]) for int8.
 at::Tensor pack_weight(const at::Tensor &weight, const char *op) {
@@ -123,6 +166,13 @@ at::Tensor pack_weight(const at::Tensor &weight, const char *op) {
     return packed;
   }
   at::Tensor packed = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  if (weight.scalar_type() == at::kFloat8_e4m3fn) {
+    check_status(
+        cpumoe_pack_vnni2_8bit(static_cast<const uint8_t *>(weight.data_ptr()),
+                               static_cast<uint8_t *>(packed.data_ptr()), experts, oc, ic, &runner),
+        op);
+    return packed;
+  }
   check_status(
       cpumoe_pack_vnni2_16bit(static_cast<const uint16_t *>(weight.data_ptr()),
                               static_cast<uint16_t *>(packed.data_ptr()), experts, oc, ic, &runner),
@@ -147,10 +197,10 @@ at::Tensor convert_weight_packed(const at::Tensor &weight) {
     // SGLang's small-OC case: fp32 [IC, OC] for its FMA linear path.
     return weight.to(at::kFloat).t().contiguous();
   }
-  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kChar, op, ": packing ",
-              dtype_name(t),
-              " weights is not implemented in this version of cpumoe; bfloat16, float16 and int8 "
-              "are");
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kChar || t == at::kFloat8_e4m3fn, op,
+              ": packing ", dtype_name(t),
+              " weights is not implemented in this version of cpumoe; bfloat16, float16, int8 and "
+              "float8_e4m3fn are");
   const int64_t row_block = t == at::kChar ? 32 : 16;
   TORCH_CHECK(weight.size(-2) % row_block == 0, op, ": invalid weight out features ",
               weight.size(-2), " (must be a multiple of ", row_block, " for ", dtype_name(t), ")");
@@ -226,13 +276,16 @@ at::Tensor fused_experts_impl(
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
   const SchemeSpec spec = scheme_spec(moe_comp_method, dt);
-  if (!spec.channel_scales) {
+  if (!spec.channel_scales && !spec.block_scales) {
     check_unused(w1_scale, "w1_scale", op, spec);
     check_unused(w2_scale, "w2_scale", op, spec);
   }
   check_unused(w1_zero, "w1_zero", op, spec);
   check_unused(w2_zero, "w2_zero", op, spec);
-  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for ", spec.label);
+  TORCH_CHECK(spec.block_scales || !block_size.has_value(), op, ": block_size must be None for ",
+              spec.label);
+  const auto [bn, bk] =
+      spec.block_scales ? fp8_block_size(block_size, op) : std::pair<int64_t, int64_t>{0, 0};
 
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
@@ -245,9 +298,14 @@ at::Tensor fused_experts_impl(
   check_mlp_sizes(K, N, op);
   const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {E, 2 * N, K}, is_vnni);
   const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {E, K, N}, is_vnni);
-  const float *s1 =
-      spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, E * 2 * N) : nullptr;
-  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, E * K) : nullptr;
+  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, E * 2 * N)
+                    : spec.block_scales ? block_scale(w1_scale, "w1_scale", op,
+                                                      {E, ceil_div(2 * N, bn), ceil_div(K, bk)})
+                                        : nullptr;
+  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, E * K)
+                    : spec.block_scales ? block_scale(w2_scale, "w2_scale", op,
+                                                      {E, ceil_div(K, bn), ceil_div(N, bk)})
+                                        : nullptr;
 
   check_cpu_tensor(topk_weights, "topk_weights", op);
   check_cpu_tensor(topk_ids, "topk_ids", op);
@@ -296,6 +354,7 @@ at::Tensor fused_experts_impl(
   p.act_dtype = adt;
   p.w1_scale = s1;
   p.w2_scale = s2;
+  p.block_n = bn, p.block_k = bk;
   p.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
   p.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   p.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
@@ -350,18 +409,18 @@ at::Tensor shared_expert_cpu(
   const char *op = "shared_expert_cpu";
   TORCH_CHECK(!(use_int8_w8a8 && use_fp8_w8a16), op,
               ": use_int8_w8a8 and use_fp8_w8a16 cannot both be True");
-  TORCH_CHECK(!use_fp8_w8a16, op,
-              ": use_fp8_w8a16=True is not implemented in this version of cpumoe; bf16/fp16 and "
-              "int8 w8a8 weights are");
   check_dense(hidden_states, "hidden_states", op, 2);
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
-  const SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : 0, dt);
-  if (!spec.channel_scales) {
+  const SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : use_fp8_w8a16 ? 2 : 0, dt);
+  if (!spec.channel_scales && !spec.block_scales) {
     check_unused(w1_scale, "w1_scale", op, spec);
     check_unused(w2_scale, "w2_scale", op, spec);
   }
-  TORCH_CHECK(!block_size.has_value(), op, ": block_size must be None for ", spec.label);
+  TORCH_CHECK(spec.block_scales || !block_size.has_value(), op, ": block_size must be None for ",
+              spec.label);
+  const auto [bn, bk] =
+      spec.block_scales ? fp8_block_size(block_size, op) : std::pair<int64_t, int64_t>{0, 0};
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
   TORCH_CHECK(w1.dim() == 2, op, ": w1 must be a 2-D tensor [2N, K], got shape ", w1.sizes());
@@ -372,8 +431,14 @@ at::Tensor shared_expert_cpu(
   check_mlp_sizes(K, N, op);
   const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {2 * N, K}, is_vnni);
   const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {K, N}, is_vnni);
-  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, 2 * N) : nullptr;
-  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, K) : nullptr;
+  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, 2 * N)
+                    : spec.block_scales ? block_scale(w1_scale, "w1_scale", op,
+                                                      {ceil_div(2 * N, bn), ceil_div(K, bk)})
+                                        : nullptr;
+  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, K)
+                    : spec.block_scales
+                        ? block_scale(w2_scale, "w2_scale", op, {ceil_div(K, bn), ceil_div(N, bk)})
+                        : nullptr;
   TORCH_CHECK(fused_experts_out.has_value() == routed_scaling_factor.has_value(), op,
               ": fused_experts_out and routed_scaling_factor must be given together (got only ",
               fused_experts_out.has_value() ? "fused_experts_out" : "routed_scaling_factor", ")");
@@ -392,6 +457,7 @@ at::Tensor shared_expert_cpu(
   p.scheme = spec.scheme;
   p.w1_scale = s1;
   p.w2_scale = s2;
+  p.block_n = bn, p.block_k = bk;
   p.act_dtype = adt;
   p.activation = CPUMOE_ACT_SILU_MUL;
   p.x = hidden_states.data_ptr();

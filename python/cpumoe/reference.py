@@ -114,6 +114,18 @@ def expert_mlp_int8(
     return y
 
 
+def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block_n: int,
+                          block_k: int) -> torch.Tensor:
+    """FP8 W8A16 weights as the kernels use them: ``w`` float8_e4m3fn [..., OC, IC] decoded
+    exactly (torch's conversion; zero and subnormals included) times its block's scale
+    ``scale [..., ceil(OC/block_n), ceil(IC/block_k)]`` (multiplied, DeepSeek's
+    ``weight_scale_inv``), rounded once to fp32."""
+    oc, ic = w.shape[-2:]
+    s = scale.float().repeat_interleave(block_n, -2)[..., :oc, :]
+    s = s.repeat_interleave(block_k, -1)[..., :ic]
+    return w.float() * s
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -127,14 +139,20 @@ def fused_experts(
     moe_comp_method: int = 0,
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    block_size: Optional[list] = None,
 ) -> torch.Tensor:
     """Reference of `fused_experts_cpu` with unpacked weights.
 
     hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N] (16-bit for method 0,
     int8 with per output channel scales w1_scale [E, 2N(, 1)], w2_scale [E, K(, 1)] for
-    method 1); topk_weights and topk_ids [M, topk]; an id of -1 skips its slot.
+    method 1; float8_e4m3fn with block scales and ``block_size=[block_n, block_k]`` for
+    method 2); topk_weights and topk_ids [M, topk]; an id of -1 skips its slot.
     Returns [M, K] in the dtype of hidden_states.
     """
+    if moe_comp_method == 2:  # FP8: fp32 GEMMs on the dequantized weights
+        w1 = dequantize_fp8_blocks(w1, w1_scale, *block_size)
+        w2 = dequantize_fp8_blocks(w2, w2_scale, *block_size)
+        moe_comp_method = 0
     M, K = hidden_states.shape
     out = torch.zeros(M, K, dtype=torch.float32)
     ids = topk_ids.long()
@@ -165,12 +183,17 @@ def shared_expert(
     use_int8_w8a8: bool = False,
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    use_fp8_w8a16: bool = False,
+    block_size: Optional[list] = None,
 ) -> torch.Tensor:
     """Reference of `shared_expert_cpu` with unpacked weights w1 [2N, K], w2 [K, N]
     (16-bit, or int8 with scales [2N(, 1)], [K(, 1)]):
     mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once."""
     if use_int8_w8a8:
         y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale)
+    elif use_fp8_w8a16:
+        y = expert_mlp(hidden_states, dequantize_fp8_blocks(w1, w1_scale, *block_size),
+                       dequantize_fp8_blocks(w2, w2_scale, *block_size))
     else:
         y = expert_mlp(hidden_states, w1, w2)
     if fused_experts_out is not None:

@@ -100,9 +100,12 @@ typedef struct cpumoe_moe_problem {
   const void *w1; /* packed [E, 2N, K] (layout per scheme, docs/FORMATS.md) */
   const void *w2; /* packed [E, K, N] */
 
-  /* INT8_W8A8: per output channel fp32 scales, w1_scale [E, 2N], w2_scale [E, K]. */
+  /* INT8_W8A8: per output channel fp32 scales, w1_scale [E, 2N], w2_scale [E, K].
+   * FP8_W8A16: 2-D block scales (multiplied), w1_scale [E, ceil(2N/block_n),
+   * ceil(K/block_k)], w2_scale [E, ceil(K/block_n), ceil(N/block_k)]. */
   const float *w1_scale;
   const float *w2_scale;
+  int64_t block_n, block_k; /* FP8_W8A16: block_n >= 1, block_k >= 2 and even */
 
   /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
    * topk_weights NULL means every weight is 1. */
@@ -135,6 +138,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *work
  * cols % 32 == 0. `experts` matrices are packed one after another. */
 cpumoe_status cpumoe_pack_vnni2_16bit(const uint16_t *src, uint16_t *dst, int64_t experts,
                                       int64_t rows, int64_t cols, const cpumoe_runner *runner);
+/* The same VNNI-2 order for 8-bit elements (fp8 e4m3fn weights). */
+cpumoe_status cpumoe_pack_vnni2_8bit(const uint8_t *src, uint8_t *dst, int64_t experts,
+                                     int64_t rows, int64_t cols, const cpumoe_runner *runner);
 
 /* VNNI-4 for int8 weights, plus per-row int32 compensation: [rows, cols] ->
  * [rows, cols + 4] bytes, blocks of 32 rows, each 32*cols bytes of [cols/4][32][4]

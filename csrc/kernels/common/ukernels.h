@@ -47,6 +47,18 @@ typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, si
 typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *comp,
                                    const float *a_scale, const float *w_scale, float *c);
 
+/* FP8 W8A16, decode path: C[mr][32] (+)= A_panel fp32 [kc][a_stride] x W, where
+ *   W[k][n] = decode(B[k][n]) * scale[n], B fp8 VNNI-2 [kc/2][32][2], decode = exact e4m3
+ *   value * 2^-8 (scale carries the 2^8 and the block scale; a chunk never spans two
+ *   K blocks). `accumulate` = 0 starts from +0; chunks continue each FMA chain in k order. */
+typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
+                               const uint8_t *b, const float *scale, float *c, int accumulate);
+/* FP8 prefill path: dst fp32 [kc][32] = W of the chunk (as above), decoded once ... */
+typedef void (*cm_fp8_to_f32_fn)(size_t kc, const uint8_t *b, const float *scale, float *dst);
+/* ... then C[mr][32] (+)= A_panel [kc][a_stride] x B fp32 [kc][32]: the same FMA chains. */
+typedef void (*cm_gemm_f32b_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
+                                const float *b, float *c, int accumulate);
+
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
@@ -81,6 +93,9 @@ typedef struct cm_ukernels {
   cm_bias_scale_fn bias_scale;
   cm_gemm_u8s8_fn gemm_u8s8; /* INT8 W8A8 */
   cm_dequant_u8s8_fn dequant_u8s8;
+  cm_gemm_fp8_fn gemm_fp8; /* FP8 W8A16 */
+  cm_fp8_to_f32_fn fp8_to_f32;
+  cm_gemm_f32b_fn gemm_f32b;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
   /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
@@ -111,6 +126,11 @@ const cm_ukernels *cm_active_ukernels(void);
                                          int32_t *, int);                                         \
   void cm_u8s8_dequant_mrx32__##tier(size_t, const int32_t *, const int8_t *, const float *,      \
                                      const float *, float *);                                     \
+  void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *,   \
+                                        const float *, float *, int);                             \
+  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, const float *, float *);                    \
+  void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,     \
+                                        float *, int);                                            \
   double cm_probe_int8_loop__##tier(int64_t);                                                     \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
                                          float *);                                                \

@@ -37,6 +37,9 @@
       .probe_int8 = cm_probe_int8_loop__##tier,       \
       .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
       .dequant_u8s8 = cm_u8s8_dequant_mrx32__##tier,  \
+      .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,   \
+      .fp8_to_f32 = cm_fp8_to_f32__##tier,            \
+      .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,  \
       .absmax = cm_absmax__##tier,                    \
       .quantize_u8 = cm_quantize_u8__##tier,          \
   }

@@ -38,11 +38,13 @@
 #include "common/ukernels.h"
 
 #define CM_CHUNK_TOKENS 1024
-#define CM_PANELS_PER_BLOCK 4  /* up to 4 x 12 rows share one pass over a weight tile */
-#define CM_REDUCE_COLS 512     /* columns summed per step of the reduce stage */
-#define CM_INT8_KC 256         /* reduction chunk of the INT8 block GEMM: 8 KiB of weights */
-#define CM_PACK_COLS 64        /* columns widened per step when packing A panels */
-#define CM_INT8_MIN_AMAX 1e-7f /* floor of a row's absmax before quantizing (all-zero rows) */
+#define CM_PANELS_PER_BLOCK 4    /* up to 4 x 12 rows share one pass over a weight tile */
+#define CM_REDUCE_COLS 512       /* columns summed per step of the reduce stage */
+#define CM_INT8_KC 256           /* reduction chunk of the INT8 block GEMM: 8 KiB of weights */
+#define CM_FP8_KC 256            /* reduction chunk of the FP8 block GEMM: 32 KiB decoded */
+#define CM_FP8_DECODE_MAX_ROWS 4 /* blocks up to this many rows decode weights in registers */
+#define CM_PACK_COLS 64          /* columns widened per step when packing A panels */
+#define CM_INT8_MIN_AMAX 1e-7f   /* floor of a row's absmax before quantizing (all-zero rows) */
 
 typedef struct cm_panel {
   int32_t expert;
@@ -113,9 +115,19 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
     return cm_fail(CPUMOE_EINVAL,
                    "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
                    (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk);
-  if (p->scheme != CPUMOE_SCHEME_UNQUANT && p->scheme != CPUMOE_SCHEME_INT8_W8A8)
+  if (p->scheme != CPUMOE_SCHEME_UNQUANT && p->scheme != CPUMOE_SCHEME_INT8_W8A8 &&
+      p->scheme != CPUMOE_SCHEME_FP8_W8A16)
     return cm_fail(CPUMOE_EUNSUPPORTED, "moe_comp_method %d is not implemented in this build",
                    (int)p->scheme);
+  if (p->scheme == CPUMOE_SCHEME_FP8_W8A16) {
+    if (!p->w1_scale || !p->w2_scale)
+      return cm_fail(CPUMOE_EINVAL, "FP8 W8A16 needs w1_scale and w2_scale");
+    if (p->block_n < 1 || p->block_k < 2 || p->block_k % 2 != 0)
+      return cm_fail(CPUMOE_EUNSUPPORTED,
+                     "FP8 block_size [%lld, %lld]: block_n must be >= 1 and block_k an even "
+                     "number >= 2 (the packed layout pairs consecutive k)",
+                     (long long)p->block_n, (long long)p->block_k);
+  }
   if (p->scheme == CPUMOE_SCHEME_INT8_W8A8) {
     if (!p->w1_scale || !p->w2_scale)
       return cm_fail(CPUMOE_EINVAL, "INT8 W8A8 needs w1_scale and w2_scale");
@@ -221,6 +233,12 @@ struct cm_run {
   uint8_t *midq;     /* INT8: [slots, N] quantized mid rows */
   float *y;          /* [slots, K] weighted expert outputs, by chunk-local slot */
 };
+
+/* Rows of a block: its panels are consecutive runs of the same expert's sorted slots. */
+static int64_t block_rows(const cm_run *r, const cm_block *blk) {
+  const cm_panel *last = &r->panels[blk->first_panel + blk->panels - 1];
+  return last->first + last->rows - r->panels[blk->first_panel].first;
+}
 
 static int64_t stage_reduction(const cm_run *r, int stage) {
   return stage == 1 ? r->p->K : r->p->N;
@@ -362,6 +380,53 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
 
 static const cm_scheme_impl cm_scheme_int8 = {prepare_token_int8, pack_panel_u8, gemm_block_int8};
 
+/* ---- FP8 W8A16: fp32 panels; e4m3 weights decoded exactly and scaled per 2-D block ---- */
+
+/* Chunks of the reduction never cross a K block, so one scale per column holds for a whole
+ * chunk. A block with few rows decodes in registers (decode: weights are read once); a
+ * block with more converts each chunk once into an L1-resident fp32 buffer and runs all
+ * its panels on it. Both give the same bits (same per-weight value, same FMA chains). */
+static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                           float *c) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t red = stage_reduction(r, stage);
+  const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const int64_t k_blocks = (red + p->block_k - 1) / p->block_k;
+  const int64_t n_blocks = (out_rows + p->block_n - 1) / p->block_n;
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const uint8_t *w = (const uint8_t *)(stage == 1 ? p->w1 : p->w2) +
+                     (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+  const float *scales =
+      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(expert * n_blocks * k_blocks);
+  const int convert = block_rows(r, blk) > CM_FP8_DECODE_MAX_ROWS;
+  float col_scale[CM_NR];
+  float decoded[CM_FP8_KC * CM_NR];
+  for (int64_t k0 = 0; k0 < red;) {
+    const int64_t kb = k0 / p->block_k;
+    int64_t kc = (kb + 1) * p->block_k - k0; /* to the end of this K block ... */
+    if (kc > CM_FP8_KC) kc = CM_FP8_KC;      /* ... in chunks that fit L1 */
+    if (kc > red - k0) kc = red - k0;
+    for (int j = 0; j < CM_NR; j++) /* 256 = 2^8: the decoding's scale, exact */
+      col_scale[j] = scales[((row0 + j) / p->block_n) * k_blocks + kb] * 256.0f;
+    if (convert) r->uk->fp8_to_f32((size_t)kc, w + k0 * CM_NR, col_scale, decoded);
+    float *cq = c;
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const cm_panel *pn = &r->panels[blk->first_panel + q];
+      const size_t rows = (size_t)pn->rows;
+      const float *panel =
+          (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red + (size_t)k0 * rows;
+      if (convert)
+        r->uk->gemm_f32b(rows, (size_t)kc, panel, rows, decoded, cq, k0 > 0);
+      else
+        r->uk->gemm_fp8(rows, (size_t)kc, panel, rows, w + k0 * CM_NR, col_scale, cq, k0 > 0);
+      cq += rows * CM_NR;
+    }
+    k0 += kc;
+  }
+}
+
+static const cm_scheme_impl cm_scheme_fp8 = {NULL, pack_panel_f32, gemm_block_fp8};
+
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
                         cm_panel *panels, cm_block *blocks) {
@@ -398,12 +463,6 @@ static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *wei
     if (e >= 0) sorted[offsets[e]++] = (int32_t)s;
   }
   r->n_blocks = n_blocks;
-}
-
-/* Rows of a block: its panels are consecutive runs of the same expert's sorted slots. */
-static int64_t block_rows(const cm_run *r, const cm_block *blk) {
-  const cm_panel *last = &r->panels[blk->first_panel + blk->panels - 1];
-  return last->first + last->rows - r->panels[blk->first_panel].first;
 }
 
 static void prepare_task(void *ctx, int64_t t) {
@@ -518,7 +577,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   cm_run r = {
       .p = p,
       .uk = uk,
-      .impl = p->scheme == CPUMOE_SCHEME_INT8_W8A8 ? &cm_scheme_int8 : &cm_scheme_16bit,
+      .impl = p->scheme == CPUMOE_SCHEME_INT8_W8A8   ? &cm_scheme_int8
+              : p->scheme == CPUMOE_SCHEME_FP8_W8A16 ? &cm_scheme_fp8
+                                                     : &cm_scheme_16bit,
       .widen = bf16 ? uk->widen_bf16 : uk->widen_f16,
       .narrow = bf16 ? uk->narrow_bf16 : uk->narrow_f16,
       .round16 = bf16 ? uk->round_bf16 : uk->round_f16,

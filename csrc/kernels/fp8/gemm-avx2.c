@@ -1,0 +1,143 @@
+/*
+ * AVX2 + FMA + F16C kernels for FP8 (e4m3fn) W8A16 (see fp8/gemm-avx512.c for the
+ * layouts, the exact decoding and the decode/prefill split; contracts: common/ukernels.h).
+ *
+ * Tiles 4 x 16, two passes for 32 columns (as unquant/gemm-avx2.c): per k pair a 16-byte
+ * load holds 8 columns x 2 k, widened to 16 words, moved into fp16 position, split into
+ * even/odd k with a byte shuffle and a lane permute, converted by vcvtph2ps.
+ * 4 rows x 2 accumulators + 4 decoded B + 2 broadcasts = 14 of 16 ymm.
+ */
+#include <immintrin.h>
+
+#include "common/ukernels.h"
+
+#define MR 4
+
+/* 16 bytes (8 columns x 2 k) -> fp32 even-k and odd-k vectors, times 2^-8 */
+static inline __attribute__((always_inline)) void decode_pair(__m128i bytes, __m256 *even,
+                                                              __m256 *odd) {
+  const __m256i w = _mm256_cvtepu8_epi16(bytes);
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1,
+                                         4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(h, split), 0xd8);
+  *even = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
+  *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
+}
+
+static inline __attribute__((always_inline)) void gemm_half(
+    const int mr, size_t kc, const float *restrict a, size_t as, const uint8_t *restrict b,
+    const float *restrict scale, float *restrict c, int accumulate, int col0) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
+    acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
+  }
+  const __m256 s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
+  for (size_t kp = 0; kp < kc / 2; kp++) {
+    const uint8_t *bk = b + kp * 64 + col0 * 2;
+    _mm_prefetch((const char *)(bk + 4096), _MM_HINT_T0);
+    __m256 e0, o0, e1, o1;
+    decode_pair(_mm_loadu_si128((const __m128i *)bk), &e0, &o0);
+    decode_pair(_mm_loadu_si128((const __m128i *)(bk + 16)), &e1, &o1);
+    e0 = _mm256_mul_ps(e0, s0), o0 = _mm256_mul_ps(o0, s0);
+    e1 = _mm256_mul_ps(e1, s1), o1 = _mm256_mul_ps(o1, s1);
+    const float *ae = a + 2 * kp * as, *ao = ae + as;
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256 x0 = _mm256_broadcast_ss(ae + r);
+      acc0[r] = _mm256_fmadd_ps(x0, e0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x0, e1, acc1[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256 x1 = _mm256_broadcast_ss(ao + r);
+      acc0[r] = _mm256_fmadd_ps(x1, o0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x1, o1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
+    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
+  }
+}
+
+static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, size_t kc,
+                                                                 const float *restrict a, size_t as,
+                                                                 const float *restrict b,
+                                                                 float *restrict c, int accumulate,
+                                                                 int col0) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
+    acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
+  }
+  for (size_t k = 0; k < kc; k++) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * CM_NR + col0);
+    const __m256 b1 = _mm256_loadu_ps(b + k * CM_NR + col0 + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      const __m256 x = _mm256_broadcast_ss(a + k * as + r);
+      acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x, b1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
+    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
+  }
+}
+
+static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc, const float *a,
+                                                            size_t as, const uint8_t *b,
+                                                            const float *scale, float *c,
+                                                            int accumulate) {
+  gemm_half(mr, kc, a, as, b, scale, c, accumulate, 0);
+  gemm_half(mr, kc, a, as, b, scale, c, accumulate, 16);
+}
+
+static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, size_t kc,
+                                                                 const float *a, size_t as,
+                                                                 const float *b, float *c,
+                                                                 int accumulate) {
+  gemm_f32b_half(mr, kc, a, as, b, c, accumulate, 0);
+  gemm_f32b_half(mr, kc, a, as, b, c, accumulate, 16);
+}
+
+#define CM_CASES(body, ...)               \
+  switch (mr) {                           \
+    case 1: body(1, __VA_ARGS__); break;  \
+    case 2: body(2, __VA_ARGS__); break;  \
+    case 3: body(3, __VA_ARGS__); break;  \
+    default: body(4, __VA_ARGS__); break; \
+  }
+
+void cm_fp8_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as,
+                                    const uint8_t *b, const float *scale, float *c,
+                                    int accumulate) {
+  CM_CASES(gemm_body, kc, a, as, b, scale, c, accumulate)
+}
+
+void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as, const float *b,
+                                    float *c, int accumulate) {
+  CM_CASES(gemm_f32b_body, kc, a, as, b, c, accumulate)
+}
+
+void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, const float *scale, float *dst) {
+  for (size_t kp = 0; kp < kc / 2; kp++)
+    for (int col0 = 0; col0 < CM_NR; col0 += 8) {
+      __m256 e, o;
+      decode_pair(_mm_loadu_si128((const __m128i *)(b + kp * 64 + col0 * 2)), &e, &o);
+      const __m256 s = _mm256_loadu_ps(scale + col0);
+      _mm256_storeu_ps(dst + 2 * kp * CM_NR + col0, _mm256_mul_ps(e, s));
+      _mm256_storeu_ps(dst + (2 * kp + 1) * CM_NR + col0, _mm256_mul_ps(o, s));
+    }
+}
