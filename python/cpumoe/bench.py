@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from . import _C
 from ._progress import Progress
 from .ops import MoeCompMethod, convert_weight_packed, fused_experts
-from .quant import quantize_int8_per_channel
+from .quant import quantize_fp8_blockwise, quantize_int8_per_channel
 
 # ---- shapes ----------------------------------------------------------------------------
 
@@ -91,7 +91,8 @@ DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_M = (1, 4, 16, 64, 256, 512)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SCHEMES = ("bf16", "fp16", "int8")  # weight schemes: float weights in a dtype, or INT8 W8A8
+SCHEMES = ("bf16", "fp16", "int8", "fp8")  # float weights in a dtype, INT8 W8A8, FP8 W8A16
+FP8_BLOCK = (128, 128)  # DeepSeek-V3 style weight_block_size of the fp8 scheme
 
 
 def _dtype_name(dtype) -> str:
@@ -454,7 +455,7 @@ class ExpertWeights:
         self.scheme = scheme or _dtype_name(self.dtype)
         if self.scheme in DTYPES:
             self.dtype = DTYPES[self.scheme]
-        elif self.scheme != "int8":
+        elif self.scheme not in ("int8", "fp8"):
             raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
         g = torch.Generator().manual_seed(seed)
         E, K, N = shape.E, shape.K, shape.N
@@ -467,6 +468,10 @@ class ExpertWeights:
             self.q1, self.s1 = _quantize_experts(self.w1)
             self.q2, self.s2 = _quantize_experts(self.w2)
             packed = (self.q1, self.q2)
+        elif self.scheme == "fp8":
+            self.q1, self.s1 = _quantize_experts(self.w1, fp8=True)
+            self.q2, self.s2 = _quantize_experts(self.w2, fp8=True)
+            packed = (self.q1, self.q2)
         else:
             packed = (self.w1, self.w2)
         self.w1p = convert_weight_packed(packed[0]) if pack else None
@@ -477,8 +482,12 @@ class ExpertWeights:
         return self.scheme == "int8"
 
     @property
+    def is_fp8(self) -> bool:
+        return self.scheme == "fp8"
+
+    @property
     def bytes_per_weight(self) -> int:
-        return 1 if self.is_int8 else self.w1.element_size()
+        return 1 if self.is_int8 or self.is_fp8 else self.w1.element_size()
 
     def expert_bytes(self) -> int:
         """Bytes cpumoe reads per expert touched: 3·N·K weights, plus for int8 an fp32
@@ -487,20 +496,30 @@ class ExpertWeights:
         n = self.shape.expert_bytes(self.bytes_per_weight)
         if self.is_int8:
             n += (4 + 4) * (2 * self.shape.N + self.shape.K)
+        if self.is_fp8:  # one fp32 scale per 128 x 128 block
+            n += 4 * (self.s1[0].numel() + self.s2[0].numel())
         return n
 
 
-def _quantize_experts(w: torch.Tensor):
-    """Per expert: int8 weights and fp32 scales [E, OC, 1] of ``w [E, OC, IC]``; ``w`` is
+def _quantize_experts(w: torch.Tensor, fp8: bool = False):
+    """Per expert: int8 weights and fp32 scales [E, OC, 1] of ``w [E, OC, IC]`` (or, with
+    ``fp8``, float8_e4m3fn weights and fp32 block scales [E, OC/128, IC/128]); ``w`` is
     overwritten with its dequantized values (rounded to its dtype). One expert at a time,
     so the fp32 temporaries stay small."""
-    q = torch.empty(w.shape, dtype=torch.int8)
-    s = torch.empty(*w.shape[:-1], 1, dtype=torch.float32)
-    for e in range(w.shape[0]):
-        qe, se = quantize_int8_per_channel(w[e])
+    E, OC, IC = w.shape
+    if fp8:
+        bn, bk = FP8_BLOCK
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        s = torch.empty(E, -(-OC // bn), -(-IC // bk), dtype=torch.float32)
+    else:
+        q = torch.empty(w.shape, dtype=torch.int8)
+        s = torch.empty(E, OC, 1, dtype=torch.float32)
+    for e in range(E):
+        qe, se = quantize_fp8_blockwise(w[e], FP8_BLOCK) if fp8 else quantize_int8_per_channel(w[e])
         q[e].copy_(qe)
         s[e].copy_(se)
-        w[e].copy_(qe.float() * se)
+        full = se.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)[:OC, :IC] if fp8 else se
+        w[e].copy_(qe.float() * full)
     return q, s
 
 
@@ -721,7 +740,7 @@ def run_case(
         scheme = weights.scheme if weights is not None else _dtype_name(dtype)
     if scheme in DTYPES:
         dtype = scheme
-    elif scheme != "int8":
+    elif scheme not in ("int8", "fp8"):
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
     dname = _dtype_name(dtype)
     tdtype = DTYPES[dname]
@@ -741,6 +760,11 @@ def run_case(
             return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
                                  moe_comp_method=MoeCompMethod.INT8_W8A8, w1_scale=weights.s1,
                                  w2_scale=weights.s2, is_vnni=True)
+    elif weights.is_fp8:
+        def call_cpumoe(r: Routing) -> torch.Tensor:
+            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
+                                 moe_comp_method=MoeCompMethod.FP8_W8A16, w1_scale=weights.s1,
+                                 w2_scale=weights.s2, block_size=list(FP8_BLOCK), is_vnni=True)
     else:
         def call_cpumoe(r: Routing) -> torch.Tensor:
             return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
