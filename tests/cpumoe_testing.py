@@ -343,3 +343,236 @@ def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
     for j in range(ids.shape[1]):
         acc = acc + ys[:, j]
     return acc.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 W8A16 (moe_comp_method 2) helpers.
+
+FP8 = 2  # moe_comp_method of FP8 W8A16
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fp8_scale_shape(oc: int, ic: int, block) -> tuple:
+    """Block scale shape of an [oc, ic] weight for block_size = [block_n, block_k]."""
+    return ceil_div(oc, block[0]), ceil_div(ic, block[1])
+
+
+def e4m3_value(code: int) -> float:
+    """The e4m3fn value of a byte, from the format's definition (independent of torch):
+    s.eeee.mmm, bias 7; e = 0: subnormal (m/8) * 2^-6; 0x7f/0xff: NaN; no infinities."""
+    s, e, m = code >> 7, (code >> 3) & 0xF, code & 7
+    if e == 0xF and m == 7:
+        return float("nan")
+    v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -v if s else v
+
+
+def fp8_from_codes(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn tensor with the given byte values (any integer tensor)."""
+    return codes.to(torch.uint8).view(FP8_DTYPE)
+
+
+def make_fp8_weights(E: int, N: int, K: int, block, style: str = "quant"):
+    """float8_e4m3fn expert weights w1 [E, 2N, K], w2 [E, K, N] with fp32 block scales
+    s1 [E, ceil(2N/bn), ceil(K/bk)], s2 [E, ceil(K/bn), ceil(N/bk)].
+
+    * ``"quant"``: :func:`cpumoe.quant.quantize_fp8_blockwise` of the float weights of
+      :func:`make_weights` (what a DeepSeek-style checkpoint holds);
+    * ``"sglang"``: SGLang's test_fp8_moe data (REFERENCE.md §12):
+      ``w = clamp(randn * 400, -400, 400).fp8``, scales ``rand * 1e-3``.
+    """
+    from cpumoe import quant
+
+    if style == "quant":
+        f1, f2 = make_weights(E, N, K, torch.float32)
+        w1, s1 = quant.quantize_fp8_blockwise(f1, block)
+        w2, s2 = quant.quantize_fp8_blockwise(f2, block)
+    elif style == "sglang":
+        w1 = (torch.randn(E, 2 * N, K) * 400).clamp(-400, 400).to(FP8_DTYPE)
+        w2 = (torch.randn(E, K, N) * 400).clamp(-400, 400).to(FP8_DTYPE)
+        s1 = torch.rand(E, *fp8_scale_shape(2 * N, K, block)) * 1e-3
+        s2 = torch.rand(E, *fp8_scale_shape(K, N, block)) * 1e-3
+    else:
+        raise ValueError(f"unknown fp8 weight style {style!r}")
+    return w1, s1, w2, s2
+
+
+def make_fp8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
+    """``randn`` for ``"quant"`` (gate/up values ~ N(0, 1)), SGLang's ``randn / sqrt(K)``
+    for ``"sglang"``."""
+    x = torch.randn(M, K)
+    return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
+
+
+def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> torch.Tensor:
+    """fused_experts with moe_comp_method=2 from unpacked fp8 weights: packs them first
+    when is_vnni, else lets the op pack them per call."""
+    if is_vnni:
+        w1, w2 = pack(w1), pack(w2)
+    return cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=FP8, w1_scale=s1,
+                                w2_scale=s2, block_size=list(block), is_vnni=is_vnni, **kw)
+
+
+# Tolerance of FP8 W8A16 outputs against reference.fused_experts(..., moe_comp_method=2).
+# Both sides use the same weights: reference.dequantize_fp8_blocks decodes each e4m3 byte
+# exactly and multiplies by its block scale with one fp32 rounding, which is what the
+# kernels do (times 2^-8 in the decode and 2^8 in the scale: exact powers of two). Both
+# then compute in fp32 from the same 16-bit activations. What differs is what differs on
+# the bf16 path (TOL above):
+#   * summation order: the kernels run one sequential fp32 FMA chain per output element,
+#     torch's matmul sums in blocks (and rounds each product, which is no longer exact in
+#     fp32: a 24-bit weight times an 8/11-bit activation); relative ~ sqrt(K) * 2^-24;
+#   * torch's exp vs the kernels' polynomial in silu/sigmoid (a few fp32 ulp);
+#   * either can flip the 16-bit rounding of an intermediate a[n], moving y[k] by
+#     w2[k, n] * ulp16(a[n]) (~2^-8 / sqrt(N) of the row's rms for bf16), or flip the final
+#     rounding by one output ulp (<= 2^-7 |v| for bf16, 2^-10 |v| for fp16).
+# rtol covers the output ulp; the intermediate flips are absolute in the row's scale, so
+# atol multiplies the rms of the reference row (SGLang's data gives outputs ~0.05, where a
+# fixed atol of 1e-2 would accept 20% errors): |out - ref| <= rtol |ref| + atol rms(row).
+# A real error (wrong block scale, a 0 decoded as 2^-7 * scale, a subnormal misdecoded,
+# a shifted block, a swapped gate/up, a dropped bias) moves outputs by O(1%-100%).
+# fp8_exact_reference below removes every difference: tests that need more compare bit
+# for bit against it.
+# One output ulp is at most 2^-7 / 1e-2 = 0.78 (bf16) and 2^-10 / 2e-3 = 0.49 (fp16) of the
+# bound. Measured (test_fp8.py's covering set + EXTRA, SGLang's 8 fp8 shapes, the bias +
+# swiglu shapes and the shared-expert cases, 8 seeds each, 536 problems; avx512 tier, which
+# is bit-identical to the others): worst |out - ref| / bound = 0.48 (bf16) and 0.32 (fp16);
+# every problem the tests also run through fp8_exact_reference equals it bit for bit.
+TOL_FP8 = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+# No limit on how many elements may differ by an ulp: an intermediate flip shifts every
+# output of its token by ~1/sqrt(N) of an ulp, so a problem with few tokens can see 15% of
+# its elements differ by one ulp (measured: fp16, M=2, N=512). Bit-level agreement is
+# checked against fp8_exact_reference instead, which is exact.
+FP8_MAX_MISMATCH = None
+
+
+def fp8_bound(ref: torch.Tensor) -> torch.Tensor:
+    """Allowed |out - ref| per element: rtol |ref| + atol * rms of ref's row."""
+    tol = TOL_FP8[ref.dtype]
+    r = ref.float()
+    row_rms = r.pow(2).mean(-1, keepdim=True).sqrt()
+    return tol["rtol"] * r.abs() + tol["atol"] * row_rms
+
+
+def fp8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / fp8_bound(ref) (0/0 counts as 0): <= 1 passes."""
+    d = (out.float() - ref.float()).abs()
+    if d.numel() == 0:
+        return 0.0
+    return float(torch.where(d == 0, torch.zeros_like(d), d / fp8_bound(ref)).max())
+
+
+def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
+                     max_mismatch: Optional[float] = FP8_MAX_MISMATCH) -> None:
+    """out within fp8_bound of ref, finite, same dtype/shape; and (unless max_mismatch
+    is None) at most that fraction of elements (+2) not bit-identical."""
+    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
+    d = (out.float() - ref.float()).abs()
+    bad = d > fp8_bound(ref)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{int(bad.sum())} of {d.numel()} elements beyond rtol |ref| + atol rms(row) "
+            f"({TOL_FP8[ref.dtype]}); worst scaled error {fp8_scaled_error(out, ref):.3g}; "
+            f"first at {i}: out {out[i].item()} ref {ref[i].item()} {msg}")
+    if max_mismatch is not None:
+        differ = int((out != ref).sum())
+        assert differ <= max_mismatch * out.numel() + 2, (
+            f"{differ} of {out.numel()} elements differ from the reference (each within "
+            f"tolerance, but too many for rounding accidents) {msg}")
+
+
+def exact_fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """C's fmaf on fp32 tensors (broadcasting), exactly: a*b is exact in float64 (24 + 24
+    bits), the sum p + c is rounded to float64 (s) with its exact error e (TwoSum), and s
+    is rounded to fp32. That double rounding can only go wrong when s lands exactly on a
+    midpoint between two fp32 values while e != 0; then the true sum lies on e's side."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bb = s - p
+    e = (p - (s - bb)) + (cd - bb)
+    f = s.float()
+    fd = f.double()
+    inf = torch.full_like(f, float("inf"))
+    toward = torch.where(fd < s, inf, -inf)
+    other = torch.nextafter(f, toward)
+    od = other.double()
+    tie = (fd != s) & (fd + od == 2 * s)
+    return torch.where(tie & ((od - fd) * e > 0), other, f)
+
+
+def fma_chain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [T, R] @ w[O, R].T as the kernels compute it: for each output element one fp32
+    FMA chain acc = fmaf(a[t, r], w[o, r], acc) over r = 0, 1, ..., starting from 0."""
+    a, w = a.float(), w.float()
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
+    for r in range(a.shape[1]):
+        acc = exact_fmaf(a[:, r:r + 1], w[None, :, r], acc)
+    return acc
+
+
+def fp8_expert_exact(x, w1f, w2f, b1=None, b2=None, alpha=None, limit=None) -> torch.Tensor:
+    """One FP8 expert on rows x [T, K] with dequantized fp32 weights, in the kernels'
+    operation order (fp32 [T, K] before the topk weight): FMA chain, + bias, the kernels'
+    activation, rounding to x's dtype, FMA chain, + bias."""
+    h = fma_chain_matmul(x, w1f)
+    if b1 is not None:
+        h = h + b1.float()
+    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
+    a = a.to(x.dtype).float()
+    y = fma_chain_matmul(a, w2f)
+    if b2 is not None:
+        y = y + b2.float()
+    return y
+
+
+def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=None,
+                        alpha=None, limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=2) in the kernels' exact operation
+    order: weights from reference.dequantize_fp8_blocks, one sequential fp32 FMA chain per
+    GEMM output element (ukernels.h: every tier), the kernels' exp, (y + b2) * weight in
+    fp32, slots summed in slot order. The FP8 kernels must equal this bit for bit."""
+    from cpumoe import reference
+
+    M, K = x.shape
+    ids = ti.long()
+    g = tw.float()
+    ys = torch.zeros(M, ids.shape[1], K)
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        w1f = reference.dequantize_fp8_blocks(w1[e], s1[e], *block)
+        w2f = reference.dequantize_fp8_blocks(w2[e], s2[e], *block)
+        y = fp8_expert_exact(x[rows], w1f, w2f,
+                             None if w1_bias is None else w1_bias[e],
+                             None if w2_bias is None else w2_bias[e], alpha, limit)
+        ys[rows, slots] = y * g[rows, slots, None]
+    acc = torch.zeros(M, K)
+    for j in range(ids.shape[1]):
+        acc = acc + ys[:, j]
+    return acc.to(x.dtype)
+
+
+def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
+                               factor=None) -> torch.Tensor:
+    """shared_expert_cpu(use_fp8_w8a16=True) in the kernels' order: the expert as above
+    (weight 1), then + factor * fused_experts_out in fp32 (product rounded, then sum)."""
+    from cpumoe import reference
+
+    y = fp8_expert_exact(x, reference.dequantize_fp8_blocks(w1, s1, *block),
+                         reference.dequantize_fp8_blocks(w2, s2, *block))
+    acc = torch.zeros_like(y) + y
+    if fused is not None:
+        acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
+    return acc.to(x.dtype)

@@ -315,11 +315,21 @@ def test_unknown_method(method):
         fused(moe_comp_method=method)
 
 
-@pytest.mark.parametrize("method, name", [(2, "FP8 W8A16"), (3, "INT4 W4A8")])
+@pytest.mark.parametrize("method, name", [(3, "INT4 W4A8")])
 def test_quantized_methods_not_implemented(method, name):
     with raises(rf"moe_comp_method {method} \({name}\) is not implemented"):
         fused(moe_comp_method=method, w1_scale=torch.ones(E, 2 * N, 1),
               w2_scale=torch.ones(E, K, 1))
+
+
+def test_fp8_method_with_bf16_weights():
+    """moe_comp_method 2 (FP8 W8A16) is implemented (tests/test_fp8.py): it needs
+    block_size first, then rejects bf16 weights naming w1 and the scheme."""
+    with raises(r"missing block_size for fp8 w8a16"):
+        fused(moe_comp_method=2, w1_scale=torch.ones(E, 2 * N, 1), w2_scale=torch.ones(E, K, 1))
+    with raises(r"w1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
+        fused(moe_comp_method=2, w1_scale=torch.ones(E, 1, 1), w2_scale=torch.ones(E, 1, 1),
+              block_size=[128, 128])
 
 
 def test_int8_method_with_bf16_weights():
@@ -403,9 +413,13 @@ def test_shared_int8_with_bf16_weights():
         shared(use_int8_w8a8=True)
 
 
-def test_shared_fp8_not_implemented():
-    with raises(r"use_fp8_w8a16=True is not implemented"):
+def test_shared_fp8_needs_block_size():
+    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size it is an
+    error naming block_size; with use_int8_w8a8=True as well, an error naming both."""
+    with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
         shared(use_fp8_w8a16=True)
+    with raises(r"shared_expert_cpu: use_int8_w8a8 and use_fp8_w8a16 cannot both be True"):
+        shared(use_fp8_w8a16=True, use_int8_w8a8=True, block_size=[128, 128])
 
 
 def test_shared_w1_3d():

@@ -140,12 +140,27 @@ def test_noncontiguous_error():
         cpumoe.convert_weight_packed(w3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8], ids=["fp8", "uint8"])
+@pytest.mark.parametrize("dtype", [torch.uint8], ids=["uint8"])
 def test_quantized_not_implemented(dtype):
     w = torch.zeros(2, 32, 64, dtype=dtype)
     with pytest.raises(RuntimeError, match=r"convert_weight_packed: packing \w+ weights is not "
                                            r"implemented"):
         cpumoe.convert_weight_packed(w)
+
+
+@pytest.mark.parametrize("shape", [(2, 32, 64), (48, 64), (3, 80, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_vnni2_byte_layout(shape):
+    """fp8 (e4m3fn) weights pack into the VNNI-2 layout of 16-bit weights with 1-byte
+    elements (REFERENCE.md §7.1): same shape and dtype, the uint8 view byte-identical to
+    pack_vnni2 of the uint8 view, every byte (NaN codes included) moved untouched.
+    More in tests/test_fp8.py."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8)
+    w = codes.view(torch.float8_e4m3fn)
+    packed = cpumoe.convert_weight_packed(w)
+    assert packed.dtype == torch.float8_e4m3fn and packed.shape == w.shape
+    assert torch.equal(packed.view(torch.uint8), reference.pack_vnni2(codes))
+    assert not torch.equal(packed.view(torch.uint8), codes)
 
 
 def int8_formula_pack(w: torch.Tensor) -> torch.Tensor:
