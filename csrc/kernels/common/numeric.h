@@ -80,11 +80,16 @@ static inline uint16_t cm_f32_to_f16(float f) {
 
 /* fp8 e4m3fn -> fp32, exact, times 2^-8: the byte s.eeee.mmm placed in fp16 position is
  * that fp16 number (subnormals and zero included); the NaN codes 0x7f/0xff give NaN.
- * Callers fold the 2^8 into the block scale (exact: a power of two). */
+ * Multiplying by 2^8 gives the value exactly (cm_e4m3_to_f32). */
 static inline float cm_e4m3_to_f32_scaled(uint8_t b) {
   uint16_t h = (uint16_t)(((b & 0x7fu) << 7) | ((b & 0x80u) << 8));
   if ((b & 0x7fu) == 0x7fu) h |= 0x7c00u;
   return cm_f16_to_f32(h);
+}
+
+/* fp8 e4m3fn -> fp32, exact (times 2^8 is exact too). */
+static inline float cm_e4m3_to_f32(uint8_t b) {
+  return cm_e4m3_to_f32_scaled(b) * 256.0f;
 }
 
 /* The value an fp32 takes once stored in a 16-bit activation dtype. */

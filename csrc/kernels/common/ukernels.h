@@ -48,9 +48,9 @@ typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *
                                    const float *a_scale, const float *w_scale, float *c);
 
 /* FP8 W8A16, decode path: C[mr][32] (+)= A_panel fp32 [kc][a_stride] x W, where
- *   W[k][n] = decode(B[k][n]) * scale[n], B fp8 VNNI-2 [kc/2][32][2], decode = exact e4m3
- *   value * 2^-8 (scale carries the 2^8 and the block scale; a chunk never spans two
- *   K blocks). `accumulate` = 0 starts from +0; chunks continue each FMA chain in k order. */
+ *   W[k][n] = e4m3(B[k][n]) * scale[n] (exact decoding, one rounding), B fp8 VNNI-2
+ *   [kc/2][32][2], scale the column's block scale (a chunk never spans two K blocks). `accumulate`
+ * = 0 starts from +0; chunks continue each FMA chain in k order. */
 typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
                                const uint8_t *b, const float *scale, float *c, int accumulate);
 /* FP8 prefill path: dst fp32 [kc][32] = W of the chunk (as above), decoded once ... */

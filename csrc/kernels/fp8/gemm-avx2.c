@@ -39,14 +39,17 @@ static inline __attribute__((always_inline)) void gemm_half(
     acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
   }
   const __m256 s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
+  const __m256 k256 = _mm256_set1_ps(256.0f); /* value * 2^-8 -> value, exact */
   for (size_t kp = 0; kp < kc / 2; kp++) {
     const uint8_t *bk = b + kp * 64 + col0 * 2;
     _mm_prefetch((const char *)(bk + 4096), _MM_HINT_T0);
     __m256 e0, o0, e1, o1;
     decode_pair(_mm_loadu_si128((const __m128i *)bk), &e0, &o0);
     decode_pair(_mm_loadu_si128((const __m128i *)(bk + 16)), &e1, &o1);
-    e0 = _mm256_mul_ps(e0, s0), o0 = _mm256_mul_ps(o0, s0);
-    e1 = _mm256_mul_ps(e1, s1), o1 = _mm256_mul_ps(o1, s1);
+    e0 = _mm256_mul_ps(_mm256_mul_ps(e0, k256), s0),
+    o0 = _mm256_mul_ps(_mm256_mul_ps(o0, k256), s0);
+    e1 = _mm256_mul_ps(_mm256_mul_ps(e1, k256), s1),
+    o1 = _mm256_mul_ps(_mm256_mul_ps(o1, k256), s1);
     const float *ae = a + 2 * kp * as, *ao = ae + as;
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
@@ -136,8 +139,8 @@ void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, const float *scale, float 
     for (int col0 = 0; col0 < CM_NR; col0 += 8) {
       __m256 e, o;
       decode_pair(_mm_loadu_si128((const __m128i *)(b + kp * 64 + col0 * 2)), &e, &o);
-      const __m256 s = _mm256_loadu_ps(scale + col0);
-      _mm256_storeu_ps(dst + 2 * kp * CM_NR + col0, _mm256_mul_ps(e, s));
-      _mm256_storeu_ps(dst + (2 * kp + 1) * CM_NR + col0, _mm256_mul_ps(o, s));
+      const __m256 s = _mm256_loadu_ps(scale + col0), k256 = _mm256_set1_ps(256.0f);
+      _mm256_storeu_ps(dst + 2 * kp * CM_NR + col0, _mm256_mul_ps(_mm256_mul_ps(e, k256), s));
+      _mm256_storeu_ps(dst + (2 * kp + 1) * CM_NR + col0, _mm256_mul_ps(_mm256_mul_ps(o, k256), s));
     }
 }

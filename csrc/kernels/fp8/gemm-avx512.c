@@ -6,13 +6,13 @@
  *   B:       fp8 VNNI-2 [kc/2][32][2] (docs/FORMATS.md): per k pair 64 bytes, columns
  *            0..15 in bytes 0..31, 16..31 in 32..63; one 16-bit pair = 2 k of one column.
  *   scale:   fp32 [32], the block scale of each column for this chunk (the chunk never
- *            crosses a K block), times 2^8 (see below).
+ *            crosses a K block).
  *
  * Exact decoding: an e4m3 byte s.eeee.mmm moved into fp16 position (s at bit 15, e.m at
  * bits 13..7) is the fp16 number value * 2^-8 exactly, subnormals and zero included
  * (fp16 has 5 exponent bits, so every e4m3 value times 2^-8 is representable); vcvtph2ps
- * widens it exactly and the 2^8 rides in the scale. The NaN code (0x7f/0xff) is forced to
- * an fp16 NaN. So w = fp32(e4m3) * block_scale, rounded once: the scalar tier's bits.
+ * widens it exactly and a multiply by 2^8 (exact) restores the value. The NaN code (0x7f/0xff) is
+ * forced to an fp16 NaN. So w = fp32(e4m3) * block_scale, rounded once: the scalar tier's bits.
  *
  * Fast exact decoding (the common case): the byte's magnitude shifted to fp32 bits 20..26
  * and its sign to bit 31 is the fp32 number value * 2^-120 (exponents 1..15 land in the
@@ -81,16 +81,19 @@ static inline __attribute__((always_inline)) void decode_kpair(const uint8_t *bk
     *e0 = _mm512_mul_ps(*e0, s0f), *o0 = _mm512_mul_ps(*o0, s0f);
     *e1 = _mm512_mul_ps(*e1, s1f), *o1 = _mm512_mul_ps(*o1, s1f);
   } else {
+    const __m512 k256 = _mm512_set1_ps(256.0f); /* value * 2^-8 -> value, exact */
     decode_pair(_mm512_castsi512_si256(raw), e0, o0);
     decode_pair(_mm512_extracti64x4_epi64(raw, 1), e1, o1);
-    *e0 = _mm512_mul_ps(*e0, s0), *o0 = _mm512_mul_ps(*o0, s0);
-    *e1 = _mm512_mul_ps(*e1, s1), *o1 = _mm512_mul_ps(*o1, s1);
+    *e0 = _mm512_mul_ps(_mm512_mul_ps(*e0, k256), s0);
+    *o0 = _mm512_mul_ps(_mm512_mul_ps(*o0, k256), s0);
+    *e1 = _mm512_mul_ps(_mm512_mul_ps(*e1, k256), s1);
+    *o1 = _mm512_mul_ps(_mm512_mul_ps(*o1, k256), s1);
   }
 }
 
-/* scale arrives times 2^8 (the fp16 route's factor); the fast route needs times 2^120 */
+/* the fast route needs scale * 2^120, finite while |scale| < 2^8 */
 static inline int fast_scales(const float *scale, __m512 *s0f, __m512 *s1f) {
-  const __m512 k = _mm512_set1_ps(0x1p112f), lim = _mm512_set1_ps(0x1p16f);
+  const __m512 k = _mm512_set1_ps(0x1p120f), lim = _mm512_set1_ps(0x1p8f);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
   *s0f = _mm512_mul_ps(s0, k), *s1f = _mm512_mul_ps(s1, k);
   const __mmask16 ok0 = _mm512_cmp_ps_mask(_mm512_abs_ps(s0), lim, _CMP_LT_OQ);

@@ -406,8 +406,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
     int64_t kc = (kb + 1) * p->block_k - k0; /* to the end of this K block ... */
     if (kc > CM_FP8_KC) kc = CM_FP8_KC;      /* ... in chunks that fit L1 */
     if (kc > red - k0) kc = red - k0;
-    for (int j = 0; j < CM_NR; j++) /* 256 = 2^8: the decoding's scale, exact */
-      col_scale[j] = scales[((row0 + j) / p->block_n) * k_blocks + kb] * 256.0f;
+    for (int j = 0; j < CM_NR; j++)
+      col_scale[j] = scales[((row0 + j) / p->block_n) * k_blocks + kb];
     if (convert) r->uk->fp8_to_f32((size_t)kc, w + k0 * CM_NR, col_scale, decoded);
     float *cq = c;
     for (int32_t q = 0; q < blk->panels; q++) {

@@ -10,7 +10,7 @@
 #include "common/ukernels.h"
 
 static float weight(const uint8_t *b, size_t k, size_t n, const float *scale) {
-  return cm_e4m3_to_f32_scaled(b[(k / 2) * 2 * CM_NR + 2 * n + (k & 1)]) * scale[n];
+  return cm_e4m3_to_f32(b[(k / 2) * 2 * CM_NR + 2 * n + (k & 1)]) * scale[n];
 }
 
 void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
