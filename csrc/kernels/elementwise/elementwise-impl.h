@@ -57,15 +57,16 @@ void CM_TIERED(cm_axpy)(size_t n, float a, const float *restrict x, float *restr
 }
 
 float CM_TIERED(cm_absmax)(size_t n, const float *restrict x, float m) {
-  /* max is exact and order-free: a vectorized reduction gives the scalar tier's bits.
-   * A NaN anywhere makes the result NaN (so the row's scale, and its outputs, are NaN). */
-  int nan = 0;
+  /* |x| ordered as floats is |x|'s bit pattern ordered as unsigned integers, NaN patterns
+   * above inf: an integer max is exact, order-free (every tier gives the same bits), makes
+   * the result NaN when any input is NaN, and vectorizes (a float max reduction does not
+   * under strict IEEE semantics). */
+  uint32_t best = cm_f32_bits(m) & 0x7fffffffu;
   for (size_t i = 0; i < n; i++) {
-    const float a = fabsf(x[i]);
-    m = a > m ? a : m;
-    nan |= a != a;
+    const uint32_t b = cm_f32_bits(x[i]) & 0x7fffffffu;
+    best = b > best ? b : best;
   }
-  return nan ? NAN : m;
+  return cm_f32_from_bits(best);
 }
 
 void CM_TIERED(cm_quantize_u8)(size_t n, const float *restrict x, float inv_scale,

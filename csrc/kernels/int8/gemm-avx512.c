@@ -23,7 +23,7 @@
 
 #define MR 12
 /* 4 KiB ahead, as the 16-bit kernels (unquant/gemm-avx512.c) */
-#define CM_PREFETCH_KQUADS 32
+#define CM_PREFETCH_KQUADS 64
 
 static inline __attribute__((always_inline)) __m512i broadcast_dword(const uint8_t *p) {
   int32_t v;

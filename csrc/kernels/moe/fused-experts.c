@@ -359,10 +359,6 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
   int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
   for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
     const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
-    /* ask for the next chunk now, so it streams in while this one is reused */
-    if (k0 + CM_INT8_KC < red)
-      for (size_t b = 0; b < (size_t)CM_INT8_KC * CM_NR; b += 64)
-        __builtin_prefetch(w + (k0 + CM_INT8_KC) * CM_NR + (int64_t)b, 0, 2);
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
