@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 
-import cpumoe
 import pytest
+
+import cpumoe
 from cpumoe import bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
