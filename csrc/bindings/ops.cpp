@@ -150,6 +150,45 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// Scale arguments against the scheme, before shapes are known: scales must be None for a
+// scheme without them, block_size only for fp8 (and valid there). Returns [block_n, block_k].
+std::pair<int64_t, int64_t> check_scale_args(const SchemeSpec &spec,
+                                             const std::optional<at::Tensor> &w1_scale,
+                                             const std::optional<at::Tensor> &w2_scale,
+                                             at::OptionalIntArrayRef block_size, const char *op) {
+  if (!spec.channel_scales && !spec.block_scales) {
+    check_unused(w1_scale, "w1_scale", op, spec);
+    check_unused(w2_scale, "w2_scale", op, spec);
+  }
+  TORCH_CHECK(spec.block_scales || !block_size.has_value(), op, ": block_size must be None for ",
+              spec.label);
+  return spec.block_scales ? fp8_block_size(block_size, op) : std::pair<int64_t, int64_t>{0, 0};
+}
+
+// Checked scale pointers of w1 [lead..., 2N, K] and w2 [lead..., K, N] for the scheme
+// (nullptr for bf16/fp16 weights).
+std::pair<const float *, const float *> scale_pointers(const SchemeSpec &spec,
+                                                       const std::optional<at::Tensor> &w1_scale,
+                                                       const std::optional<at::Tensor> &w2_scale,
+                                                       std::vector<int64_t> lead, int64_t N,
+                                                       int64_t K, int64_t bn, int64_t bk,
+                                                       const char *op) {
+  int64_t experts = 1;
+  for (int64_t d : lead) experts *= d;
+  if (spec.channel_scales)
+    return {channel_scale(w1_scale, "w1_scale", op, experts * 2 * N),
+            channel_scale(w2_scale, "w2_scale", op, experts * K)};
+  if (!spec.block_scales) return {nullptr, nullptr};
+  auto shape = [&](int64_t rows, int64_t cols) {
+    std::vector<int64_t> v = lead;
+    v.push_back(ceil_div(rows, bn));
+    v.push_back(ceil_div(cols, bk));
+    return v;
+  };
+  return {block_scale(w1_scale, "w1_scale", op, shape(2 * N, K)),
+          block_scale(w2_scale, "w2_scale", op, shape(K, N))};
+}
+
 // Packs validated [..., OC, IC] weights (docs/FORMATS.md): VNNI-2 for 16-bit dtypes,
 // VNNI-4 plus int32 compensation ([..., OC, IC + 4]) for int8.
 at::Tensor pack_weight(const at::Tensor &weight, const char *op) {
@@ -276,16 +315,9 @@ at::Tensor fused_experts_impl(
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
   const SchemeSpec spec = scheme_spec(moe_comp_method, dt);
-  if (!spec.channel_scales && !spec.block_scales) {
-    check_unused(w1_scale, "w1_scale", op, spec);
-    check_unused(w2_scale, "w2_scale", op, spec);
-  }
   check_unused(w1_zero, "w1_zero", op, spec);
   check_unused(w2_zero, "w2_zero", op, spec);
-  TORCH_CHECK(spec.block_scales || !block_size.has_value(), op, ": block_size must be None for ",
-              spec.label);
-  const auto [bn, bk] =
-      spec.block_scales ? fp8_block_size(block_size, op) : std::pair<int64_t, int64_t>{0, 0};
+  const auto [bn, bk] = check_scale_args(spec, w1_scale, w2_scale, block_size, op);
 
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
@@ -298,14 +330,7 @@ at::Tensor fused_experts_impl(
   check_mlp_sizes(K, N, op);
   const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {E, 2 * N, K}, is_vnni);
   const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {E, K, N}, is_vnni);
-  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, E * 2 * N)
-                    : spec.block_scales ? block_scale(w1_scale, "w1_scale", op,
-                                                      {E, ceil_div(2 * N, bn), ceil_div(K, bk)})
-                                        : nullptr;
-  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, E * K)
-                    : spec.block_scales ? block_scale(w2_scale, "w2_scale", op,
-                                                      {E, ceil_div(K, bn), ceil_div(N, bk)})
-                                        : nullptr;
+  const auto [s1, s2] = scale_pointers(spec, w1_scale, w2_scale, {E}, N, K, bn, bk, op);
 
   check_cpu_tensor(topk_weights, "topk_weights", op);
   check_cpu_tensor(topk_ids, "topk_ids", op);
@@ -413,14 +438,7 @@ at::Tensor shared_expert_cpu(
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
   const SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : use_fp8_w8a16 ? 2 : 0, dt);
-  if (!spec.channel_scales && !spec.block_scales) {
-    check_unused(w1_scale, "w1_scale", op, spec);
-    check_unused(w2_scale, "w2_scale", op, spec);
-  }
-  TORCH_CHECK(spec.block_scales || !block_size.has_value(), op, ": block_size must be None for ",
-              spec.label);
-  const auto [bn, bk] =
-      spec.block_scales ? fp8_block_size(block_size, op) : std::pair<int64_t, int64_t>{0, 0};
+  const auto [bn, bk] = check_scale_args(spec, w1_scale, w2_scale, block_size, op);
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
   TORCH_CHECK(w1.dim() == 2, op, ": w1 must be a 2-D tensor [2N, K], got shape ", w1.sizes());
@@ -431,14 +449,7 @@ at::Tensor shared_expert_cpu(
   check_mlp_sizes(K, N, op);
   const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {2 * N, K}, is_vnni);
   const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {K, N}, is_vnni);
-  const float *s1 = spec.channel_scales ? channel_scale(w1_scale, "w1_scale", op, 2 * N)
-                    : spec.block_scales ? block_scale(w1_scale, "w1_scale", op,
-                                                      {ceil_div(2 * N, bn), ceil_div(K, bk)})
-                                        : nullptr;
-  const float *s2 = spec.channel_scales ? channel_scale(w2_scale, "w2_scale", op, K)
-                    : spec.block_scales
-                        ? block_scale(w2_scale, "w2_scale", op, {ceil_div(K, bn), ceil_div(N, bk)})
-                        : nullptr;
+  const auto [s1, s2] = scale_pointers(spec, w1_scale, w2_scale, {}, N, K, bn, bk, op);
   TORCH_CHECK(fused_experts_out.has_value() == routed_scaling_factor.has_value(), op,
               ": fused_experts_out and routed_scaling_factor must be given together (got only ",
               fused_experts_out.has_value() ? "fused_experts_out" : "routed_scaling_factor", ")");
