@@ -12,6 +12,7 @@ the fixtures live in conftest.py).
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import pytest
@@ -576,3 +577,17 @@ def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
     if fused is not None:
         acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
     return acc.to(x.dtype)
+
+
+def subprocess_env(**extra):
+    """Environment for a child Python that must import the very cpumoe this process
+    imported (the installed package in CI, the in-place build in a dev checkout):
+    its directory goes first on PYTHONPATH, CPUMOE_ISA is cleared, `extra` is added."""
+    import cpumoe
+
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(cpumoe.__file__)))
+    env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CPUMOE_ISA", None)
+    env.update(extra)
+    return env

@@ -14,6 +14,7 @@ import pytest
 
 import cpumoe
 from cpumoe import bench
+from cpumoe_testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON_DIR = os.path.join(REPO, "python")
@@ -99,9 +100,7 @@ def test_bench_json_no_baseline_capped_isa(tmp_path, fast_limits, capsys):
 
 
 def test_info_cli_prints_tier():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CPUMOE_ISA", None)
+    env = subprocess_env()
     res = subprocess.run([sys.executable, "-m", "cpumoe", "info"], env=env, capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert res.returncode == 0, res.stderr

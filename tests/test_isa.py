@@ -10,16 +10,14 @@ import sys
 import pytest
 
 import cpumoe
-from cpumoe_testing import BEST_ISA, BUILT_ISAS, SUPPORTED_ISAS, use_isa
+from cpumoe_testing import BEST_ISA, BUILT_ISAS, SUPPORTED_ISAS, subprocess_env, use_isa
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = "import cpumoe; print(cpumoe.isa()); print(cpumoe.isa_reason())"
 
 
 def run_with_env(value):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(REPO, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CPUMOE_ISA", None)
+    env = subprocess_env()
     if value is not None:
         env["CPUMOE_ISA"] = value
     return subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.PIPE,

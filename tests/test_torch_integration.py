@@ -13,7 +13,14 @@ import torch
 
 import cpumoe
 from cpumoe import reference
-from cpumoe_testing import assert_moe_close, make_bias, make_routing, make_weights, pack
+from cpumoe_testing import (
+    assert_moe_close,
+    make_bias,
+    make_routing,
+    make_weights,
+    pack,
+    subprocess_env,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON_DIR = os.path.join(REPO, "python")
@@ -157,10 +164,7 @@ def test_compile_result_is_correct():
 
 
 def run_python(code_or_args, env_extra=None, timeout=120):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CPUMOE_ISA", None)
-    env.update(env_extra or {})
+    env = subprocess_env(**(env_extra or {}))
     args = code_or_args if isinstance(code_or_args, list) else ["-c", code_or_args]
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
