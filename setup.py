@@ -8,7 +8,7 @@ set per ISA tier, chosen by the file name suffix:
     *-avx512.c   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni (+ avx2 flags)
     other *.c    baseline (pipeline, packers, dispatch: must run on any x86-64)
 
-Never -march=native: the same binary runs on any x86-64 CPU and picks its tier
+Never -march tuned to the build host: the same binary runs on any x86-64 CPU and picks its tier
 at run time. torch's extension builder would give all files one flag set and
 compile .c as C++, so the objects are built before it and linked in.
 """

@@ -413,19 +413,6 @@ at::Tensor fused_experts_seed(const at::Tensor &hidden_states, const at::Tensor 
                             std::nullopt, std::nullopt, std::nullopt, is_vnni);
 }
 
-at::Tensor fused_experts_bias(
-    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
-    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
-    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
-    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
-    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
-    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
-    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
-  return fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method,
-                            w1_scale, w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias,
-                            alpha, limit, is_vnni);
-}
-
 at::Tensor shared_expert_cpu(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const std::optional<at::Tensor> &fused_experts_out, std::optional<double> routed_scaling_factor,
@@ -532,7 +519,7 @@ TORCH_LIBRARY(cpumoe, m) {
 
 TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_cpu", &fused_experts_seed);
-  m.impl("fused_experts_cpu.bias", &fused_experts_bias);
+  m.impl("fused_experts_cpu.bias", &fused_experts_impl);
   m.impl("shared_expert_cpu", &shared_expert_cpu);
   m.impl("convert_weight_packed", &convert_weight_packed);
 }
