@@ -58,8 +58,11 @@ def _check_common(doc):
         per_expert = 3 * 128 * 256 * bpw + (8 * (2 * 128 + 256) if bpw == 1 else 0)
         assert c["weight_bytes"] == pytest.approx(c["distinct_experts"] * per_expert)
         assert c["peak_kind"] == ("u8s8" if c["scheme"] == "int8" else "fp32_fma")
-        for key in ("bw_fraction", "peak_fraction", "bound_fraction"):
-            assert _fraction(c[key]), (key, c)
+        # this tiny shape's weights (<= 1.5 MB) stay in cache between calls, so its "bandwidth"
+        # may exceed the DRAM streaming rate: only the compute fraction is bounded by 1-ish
+        assert _fraction(c["peak_fraction"]), ("peak_fraction", c)
+        for key in ("bw_fraction", "bound_fraction"):
+            assert c[key] is not None and 0 < c[key] < 10, (key, c)
         assert c["bound"] in ("bandwidth", "compute")
         for key in ("others_cpu_fraction", "baseline_others_cpu_fraction",
                     "int8pack_others_cpu_fraction", "capped_others_cpu_fraction"):
