@@ -9,9 +9,10 @@
  */
 #include <immintrin.h>
 
+#include "common/tile-avx2.h"
 #include "common/ukernels.h"
 
-#define MR 4
+#define MR CM_TILE_MR_AVX2
 
 /* 16 bytes (8 columns x 2 k) -> fp32 even-k and odd-k vectors, times 2^-8 */
 static inline __attribute__((always_inline)) void decode_pair(__m128i bytes, __m256 *even,
@@ -33,11 +34,7 @@ static inline __attribute__((always_inline)) void gemm_half(
     const int mr, size_t kc, const float *restrict a, size_t as, const uint8_t *restrict b,
     const float *restrict scale, float *restrict c, int accumulate, int col0) {
   __m256 acc0[MR], acc1[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
-    acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
-  }
+  cm_tile_load__avx2(mr, acc0, acc1, c, col0, accumulate);
   const __m256 s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
   const __m256 k256 = _mm256_set1_ps(256.0f); /* value * 2^-8 -> value, exact */
   for (size_t kp = 0; kp < kc / 2; kp++) {
@@ -50,25 +47,10 @@ static inline __attribute__((always_inline)) void gemm_half(
     o0 = _mm256_mul_ps(_mm256_mul_ps(o0, k256), s0);
     e1 = _mm256_mul_ps(_mm256_mul_ps(e1, k256), s1),
     o1 = _mm256_mul_ps(_mm256_mul_ps(o1, k256), s1);
-    const float *ae = a + 2 * kp * as, *ao = ae + as;
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 x0 = _mm256_broadcast_ss(ae + r);
-      acc0[r] = _mm256_fmadd_ps(x0, e0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(x0, e1, acc1[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 x1 = _mm256_broadcast_ss(ao + r);
-      acc0[r] = _mm256_fmadd_ps(x1, o0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(x1, o1, acc1[r]);
-    }
+    cm_tile_fma_k__avx2(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
+    cm_tile_fma_k__avx2(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
-    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
-  }
+  cm_tile_store__avx2(mr, acc0, acc1, c, col0);
 }
 
 static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, size_t kc,
@@ -77,26 +59,11 @@ static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, s
                                                                  float *restrict c, int accumulate,
                                                                  int col0) {
   __m256 acc0[MR], acc1[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
-    acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
-  }
-  for (size_t k = 0; k < kc; k++) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * CM_NR + col0);
-    const __m256 b1 = _mm256_loadu_ps(b + k * CM_NR + col0 + 8);
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 x = _mm256_broadcast_ss(a + k * as + r);
-      acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(x, b1, acc1[r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
-    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
-  }
+  cm_tile_load__avx2(mr, acc0, acc1, c, col0, accumulate);
+  for (size_t k = 0; k < kc; k++)
+    cm_tile_fma_k__avx2(mr, acc0, acc1, _mm256_loadu_ps(b + k * CM_NR + col0),
+                        _mm256_loadu_ps(b + k * CM_NR + col0 + 8), a + k * as);
+  cm_tile_store__avx2(mr, acc0, acc1, c, col0);
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc, const float *a,
@@ -115,23 +82,15 @@ static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, s
   gemm_f32b_half(mr, kc, a, as, b, c, accumulate, 16);
 }
 
-#define CM_CASES(body, ...)               \
-  switch (mr) {                           \
-    case 1: body(1, __VA_ARGS__); break;  \
-    case 2: body(2, __VA_ARGS__); break;  \
-    case 3: body(3, __VA_ARGS__); break;  \
-    default: body(4, __VA_ARGS__); break; \
-  }
-
 void cm_fp8_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as,
                                     const uint8_t *b, const float *scale, float *c,
                                     int accumulate) {
-  CM_CASES(gemm_body, kc, a, as, b, scale, c, accumulate)
+  CM_MR_SWITCH4(gemm_body, kc, a, as, b, scale, c, accumulate)
 }
 
 void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as, const float *b,
                                     float *c, int accumulate) {
-  CM_CASES(gemm_f32b_body, kc, a, as, b, c, accumulate)
+  CM_MR_SWITCH4(gemm_f32b_body, kc, a, as, b, c, accumulate)
 }
 
 void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, const float *scale, float *dst) {

@@ -32,9 +32,10 @@
  */
 #include <immintrin.h>
 
+#include "common/tile-avx512.h"
 #include "common/ukernels.h"
 
-#define MR 12
+#define MR CM_TILE_MR_AVX512
 
 /* 32 bytes (16 columns x 2 k) -> fp32 even-k and odd-k vectors, times 2^-8 */
 static inline __attribute__((always_inline)) void decode_pair(__m256i bytes, __m512 *even,
@@ -107,11 +108,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             const float *restrict scale,
                                                             float *restrict c, int accumulate) {
   __m512 acc0[MR], acc1[MR];
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
-    acc1[r] = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
-  }
+  cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
   __m512 s0f, s1f;
   const int fast = fast_scales(scale, &s0f, &s1f);
@@ -120,25 +117,10 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     _mm_prefetch((const char *)(bk + 4096), _MM_HINT_T0); /* 4 KiB ahead, as bf16 */
     __m512 e0, o0, e1, o1;
     decode_kpair(bk, fast, s0f, s1f, s0, s1, &e0, &o0, &e1, &o1);
-    const float *ae = a + 2 * kp * as, *ao = ae + as;
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-      const __m512 x0 = _mm512_set1_ps(ae[r]);
-      acc0[r] = _mm512_fmadd_ps(x0, e0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(x0, e1, acc1[r]);
-    }
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-      const __m512 x1 = _mm512_set1_ps(ao[r]);
-      acc0[r] = _mm512_fmadd_ps(x1, o0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(x1, o1, acc1[r]);
-    }
+    cm_tile_fma_k__avx512(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
+    cm_tile_fma_k__avx512(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    _mm512_storeu_ps(c + r * CM_NR, acc0[r]);
-    _mm512_storeu_ps(c + r * CM_NR + 16, acc1[r]);
-  }
+  cm_tile_store__avx512(mr, acc0, acc1, c);
 }
 
 static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, size_t kc,
@@ -147,53 +129,22 @@ static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, s
                                                                  float *restrict c,
                                                                  int accumulate) {
   __m512 acc0[MR], acc1[MR];
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
-    acc1[r] = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
-  }
-  for (size_t k = 0; k < kc; k++) {
-    const __m512 b0 = _mm512_loadu_ps(b + k * CM_NR), b1 = _mm512_loadu_ps(b + k * CM_NR + 16);
-    const float *ak = a + k * as;
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-      const __m512 x = _mm512_set1_ps(ak[r]);
-      acc0[r] = _mm512_fmadd_ps(x, b0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(x, b1, acc1[r]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    _mm512_storeu_ps(c + r * CM_NR, acc0[r]);
-    _mm512_storeu_ps(c + r * CM_NR + 16, acc1[r]);
-  }
+  cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
+  for (size_t k = 0; k < kc; k++)
+    cm_tile_fma_k__avx512(mr, acc0, acc1, _mm512_loadu_ps(b + k * CM_NR),
+                          _mm512_loadu_ps(b + k * CM_NR + 16), a + k * as);
+  cm_tile_store__avx512(mr, acc0, acc1, c);
 }
-
-#define CM_CASES(body, ...)                \
-  switch (mr) {                            \
-    case 1: body(1, __VA_ARGS__); break;   \
-    case 2: body(2, __VA_ARGS__); break;   \
-    case 3: body(3, __VA_ARGS__); break;   \
-    case 4: body(4, __VA_ARGS__); break;   \
-    case 5: body(5, __VA_ARGS__); break;   \
-    case 6: body(6, __VA_ARGS__); break;   \
-    case 7: body(7, __VA_ARGS__); break;   \
-    case 8: body(8, __VA_ARGS__); break;   \
-    case 9: body(9, __VA_ARGS__); break;   \
-    case 10: body(10, __VA_ARGS__); break; \
-    case 11: body(11, __VA_ARGS__); break; \
-    default: body(12, __VA_ARGS__); break; \
-  }
 
 void cm_fp8_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const float *a, size_t as,
                                       const uint8_t *b, const float *scale, float *c,
                                       int accumulate) {
-  CM_CASES(gemm_body, kc, a, as, b, scale, c, accumulate)
+  CM_MR_SWITCH12(gemm_body, kc, a, as, b, scale, c, accumulate)
 }
 
 void cm_f32_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const float *a, size_t as,
                                       const float *b, float *c, int accumulate) {
-  CM_CASES(gemm_f32b_body, kc, a, as, b, c, accumulate)
+  CM_MR_SWITCH12(gemm_f32b_body, kc, a, as, b, c, accumulate)
 }
 
 void cm_fp8_to_f32__avx512(size_t kc, const uint8_t *b, const float *scale, float *dst) {

@@ -15,9 +15,10 @@
  */
 #include <immintrin.h>
 
+#include "common/tile-avx2.h"
 #include "common/ukernels.h"
 
-#define MR 4
+#define MR CM_TILE_MR_AVX2
 #define CM_PREFETCH_KPAIRS 32
 
 typedef enum { W_BF16, W_F16 } weight_kind;
@@ -43,11 +44,7 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
                                                             size_t as, const uint16_t *restrict b,
                                                             float *restrict c, int col0) {
   __m256 acc0[MR], acc1[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = _mm256_setzero_ps();
-    acc1[r] = _mm256_setzero_ps();
-  }
+  cm_tile_load__avx2(mr, acc0, acc1, c, col0, 0);
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64 + col0 * 2;
     /* software prefetch for the DRAM stream of decode (see gemm-avx512.c) */
@@ -55,26 +52,10 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
     __m256 e0, o0, e1, o1;
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)bk), &e0, &o0);
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16)), &e1, &o1);
-    const float *ae = a + 2 * kp * as;
-    const float *ao = ae + as;
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 x0 = _mm256_broadcast_ss(ae + r);
-      acc0[r] = _mm256_fmadd_ps(x0, e0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(x0, e1, acc1[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 x1 = _mm256_broadcast_ss(ao + r);
-      acc0[r] = _mm256_fmadd_ps(x1, o0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(x1, o1, acc1[r]);
-    }
+    cm_tile_fma_k__avx2(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
+    cm_tile_fma_k__avx2(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) {
-    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
-    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
-  }
+  cm_tile_store__avx2(mr, acc0, acc1, c, col0);
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
@@ -84,20 +65,12 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
   gemm_half(mr, kind, k, a, as, b, c, 16);
 }
 
-#define CM_GEMM_CASES(kind)                             \
-  switch (mr) {                                         \
-    case 1: gemm_body(1, kind, k, a, as, b, c); break;  \
-    case 2: gemm_body(2, kind, k, a, as, b, c); break;  \
-    case 3: gemm_body(3, kind, k, a, as, b, c); break;  \
-    default: gemm_body(4, kind, k, a, as, b, c); break; \
-  }
-
 void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
                                      const uint16_t *b, float *c) {
-  CM_GEMM_CASES(W_BF16)
+  CM_MR_SWITCH4(gemm_body, W_BF16, k, a, as, b, c)
 }
 
 void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
                                     const uint16_t *b, float *c) {
-  CM_GEMM_CASES(W_F16)
+  CM_MR_SWITCH4(gemm_body, W_F16, k, a, as, b, c)
 }

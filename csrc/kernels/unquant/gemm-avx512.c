@@ -21,9 +21,10 @@
  */
 #include <immintrin.h>
 
+#include "common/tile-avx512.h"
 #include "common/ukernels.h"
 
-#define MR 12
+#define MR CM_TILE_MR_AVX512
 /* 32 k-pairs = 4 KiB ahead: measured best of 8/16/32/64 for 2-thread decode on the dev
  * machine (Qwen3 shape, gemm1 stage time). */
 #define CM_PREFETCH_KPAIRS 32
@@ -46,11 +47,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
                                                             size_t as, const uint16_t *restrict b,
                                                             float *restrict c) {
   __m512 acc0[MR], acc1[MR];
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
-  }
+  cm_tile_load__avx512(mr, acc0, acc1, c, 0);
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64;
     /* Weights stream from DRAM once per call (decode): ask for them CM_PREFETCH_KPAIRS
@@ -61,52 +58,18 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
     __m512 e0, o0, e1, o1;
     widen_pair(kind, _mm512_loadu_si512(bk), &e0, &o0);
     widen_pair(kind, _mm512_loadu_si512(bk + 32), &e1, &o1);
-    const float *ae = a + 2 * kp * as;
-    const float *ao = ae + as;
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-      const __m512 x0 = _mm512_set1_ps(ae[r]);
-      acc0[r] = _mm512_fmadd_ps(x0, e0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(x0, e1, acc1[r]);
-    }
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-      const __m512 x1 = _mm512_set1_ps(ao[r]);
-      acc0[r] = _mm512_fmadd_ps(x1, o0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(x1, o1, acc1[r]);
-    }
+    cm_tile_fma_k__avx512(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
+    cm_tile_fma_k__avx512(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-#pragma GCC unroll 12
-  for (int r = 0; r < mr; r++) {
-    _mm512_storeu_ps(c + r * CM_NR, acc0[r]);
-    _mm512_storeu_ps(c + r * CM_NR + 16, acc1[r]);
-  }
+  cm_tile_store__avx512(mr, acc0, acc1, c);
 }
-
-/* One specialization per row count so that every loop above unrolls and the
- * accumulators live in registers. */
-#define CM_GEMM_CASES(kind)                              \
-  switch (mr) {                                          \
-    case 1: gemm_body(1, kind, k, a, as, b, c); break;   \
-    case 2: gemm_body(2, kind, k, a, as, b, c); break;   \
-    case 3: gemm_body(3, kind, k, a, as, b, c); break;   \
-    case 4: gemm_body(4, kind, k, a, as, b, c); break;   \
-    case 5: gemm_body(5, kind, k, a, as, b, c); break;   \
-    case 6: gemm_body(6, kind, k, a, as, b, c); break;   \
-    case 7: gemm_body(7, kind, k, a, as, b, c); break;   \
-    case 8: gemm_body(8, kind, k, a, as, b, c); break;   \
-    case 9: gemm_body(9, kind, k, a, as, b, c); break;   \
-    case 10: gemm_body(10, kind, k, a, as, b, c); break; \
-    case 11: gemm_body(11, kind, k, a, as, b, c); break; \
-    default: gemm_body(12, kind, k, a, as, b, c); break; \
-  }
 
 void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
                                        const uint16_t *b, float *c) {
-  CM_GEMM_CASES(W_BF16)
+  CM_MR_SWITCH12(gemm_body, W_BF16, k, a, as, b, c)
 }
 
 void cm_f16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
                                       const uint16_t *b, float *c) {
-  CM_GEMM_CASES(W_F16)
+  CM_MR_SWITCH12(gemm_body, W_F16, k, a, as, b, c)
 }

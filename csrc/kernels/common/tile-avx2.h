@@ -1,0 +1,58 @@
+/*
+ * The fp32 register tile shared by the AVX2 GEMM micro-kernels (unquant/, fp8/): one
+ * 16-column half [col0, col0 + 16) of a C tile [mr][32], rows r < mr <= 4 in acc0[r]
+ * (columns col0..col0+7) and acc1[r] (+8..+15). Each update is one FMA per accumulator,
+ * in k order: every C element stays one sequential fp32 FMA chain (the scalar tier's
+ * bits). Include only from files compiled with the avx2 tier's flags.
+ */
+#ifndef CPUMOE_COMMON_TILE_AVX2_H
+#define CPUMOE_COMMON_TILE_AVX2_H
+
+#include <immintrin.h>
+
+#include "common/ukernels.h"
+
+#define CM_TILE_MR_AVX2 4
+
+#define CM_INLINE static inline __attribute__((always_inline))
+
+/* acc = C[:, col0..col0+16) (accumulate) or +0 */
+CM_INLINE void cm_tile_load__avx2(const int mr, __m256 *acc0, __m256 *acc1, const float *c,
+                                  int col0, int accumulate) {
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
+    acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
+  }
+}
+
+/* one k: acc[r] += a[r] * (b0 | b1), the A strip of that k broadcast per row */
+CM_INLINE void cm_tile_fma_k__avx2(const int mr, __m256 *acc0, __m256 *acc1, __m256 b0, __m256 b1,
+                                   const float *a_k) {
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    const __m256 x = _mm256_broadcast_ss(a_k + r);
+    acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
+    acc1[r] = _mm256_fmadd_ps(x, b1, acc1[r]);
+  }
+}
+
+CM_INLINE void cm_tile_store__avx2(const int mr, const __m256 *acc0, const __m256 *acc1, float *c,
+                                   int col0) {
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
+    _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
+  }
+}
+
+/* body(rows, args...) for rows = mr (1..4), so the tile's loops unroll */
+#define CM_MR_SWITCH4(body, ...)          \
+  switch (mr) {                           \
+    case 1: body(1, __VA_ARGS__); break;  \
+    case 2: body(2, __VA_ARGS__); break;  \
+    case 3: body(3, __VA_ARGS__); break;  \
+    default: body(4, __VA_ARGS__); break; \
+  }
+
+#endif
