@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "common/tile-avx2.h" /* the mr switch */
 #include "common/ukernels.h"
 
 #define MR 4
@@ -72,12 +73,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
 
 void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
                                      const int8_t *b, int32_t *acc, int accumulate) {
-  switch (mr) {
-    case 1: gemm_body(1, kc, a, as, b, acc, accumulate); break;
-    case 2: gemm_body(2, kc, a, as, b, acc, accumulate); break;
-    case 3: gemm_body(3, kc, a, as, b, acc, accumulate); break;
-    default: gemm_body(4, kc, a, as, b, acc, accumulate); break;
-  }
+  CM_MR_SWITCH4(gemm_body, kc, a, as, b, acc, accumulate)
 }
 
 void cm_u8s8_dequant_mrx32__avx2(size_t mr, const int32_t *restrict acc, const int8_t *comp,

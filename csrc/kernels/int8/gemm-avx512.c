@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "common/tile-avx512.h" /* the mr switch */
 #include "common/ukernels.h"
 
 #define MR 12
@@ -66,20 +67,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
 
 void cm_u8s8_gemm_s32acc_mrx32__avx512(size_t mr, size_t kc, const uint8_t *a, size_t as,
                                        const int8_t *b, int32_t *acc, int accumulate) {
-  switch (mr) {
-    case 1: gemm_body(1, kc, a, as, b, acc, accumulate); break;
-    case 2: gemm_body(2, kc, a, as, b, acc, accumulate); break;
-    case 3: gemm_body(3, kc, a, as, b, acc, accumulate); break;
-    case 4: gemm_body(4, kc, a, as, b, acc, accumulate); break;
-    case 5: gemm_body(5, kc, a, as, b, acc, accumulate); break;
-    case 6: gemm_body(6, kc, a, as, b, acc, accumulate); break;
-    case 7: gemm_body(7, kc, a, as, b, acc, accumulate); break;
-    case 8: gemm_body(8, kc, a, as, b, acc, accumulate); break;
-    case 9: gemm_body(9, kc, a, as, b, acc, accumulate); break;
-    case 10: gemm_body(10, kc, a, as, b, acc, accumulate); break;
-    case 11: gemm_body(11, kc, a, as, b, acc, accumulate); break;
-    default: gemm_body(12, kc, a, as, b, acc, accumulate); break;
-  }
+  CM_MR_SWITCH12(gemm_body, kc, a, as, b, acc, accumulate)
 }
 
 void cm_u8s8_dequant_mrx32__avx512(size_t mr, const int32_t *restrict acc, const int8_t *comp,
