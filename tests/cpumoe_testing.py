@@ -207,43 +207,57 @@ TOL_INT8 = {
 INT8_MAX_MISMATCH = 0.01
 
 
-def int8_bound(ref: torch.Tensor) -> torch.Tensor:
-    """Allowed |out - ref| per element: rtol |ref| + atol * rms of ref's row."""
-    tol = TOL_INT8[ref.dtype]
+def row_bound(ref: torch.Tensor, tol_table: dict) -> torch.Tensor:
+    """Allowed |out - ref| per element: rtol |ref| + atol * rms of ref's row, with
+    rtol/atol from tol_table[ref.dtype] (the quantized schemes' tolerance form)."""
+    tol = tol_table[ref.dtype]
     r = ref.float()
     row_rms = r.pow(2).mean(-1, keepdim=True).sqrt()
     return tol["rtol"] * r.abs() + tol["atol"] * row_rms
 
 
-def int8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / int8_bound(ref) (0/0 counts as 0): <= 1 passes."""
+def row_scaled_error(out: torch.Tensor, ref: torch.Tensor, tol_table: dict) -> float:
+    """max |out - ref| / row_bound(ref) (0/0 counts as 0): <= 1 passes."""
     d = (out.float() - ref.float()).abs()
     if d.numel() == 0:
         return 0.0
-    b = int8_bound(ref)
-    return float(torch.where(d == 0, torch.zeros_like(d), d / b).max())
+    return float(torch.where(d == 0, torch.zeros_like(d), d / row_bound(ref, tol_table)).max())
 
 
-def assert_int8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
-                      max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
-    """out within int8_bound of ref, finite, same dtype/shape; and (unless max_mismatch
+def assert_row_close(out: torch.Tensor, ref: torch.Tensor, tol_table: dict, msg: str = "",
+                     max_mismatch: Optional[float] = None) -> None:
+    """out within row_bound of ref, finite, same dtype/shape; and (unless max_mismatch
     is None) at most that fraction of elements (+2) not bit-identical."""
     assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
     d = (out.float() - ref.float()).abs()
-    bad = d > int8_bound(ref)
+    bad = d > row_bound(ref, tol_table)
     if bad.any():
         i = tuple(bad.nonzero()[0].tolist())
         raise AssertionError(
             f"{int(bad.sum())} of {d.numel()} elements beyond rtol |ref| + atol rms(row) "
-            f"({TOL_INT8[ref.dtype]}); worst scaled error {int8_scaled_error(out, ref):.3g}; "
+            f"({tol_table[ref.dtype]}); worst scaled error "
+            f"{row_scaled_error(out, ref, tol_table):.3g}; "
             f"first at {i}: out {out[i].item()} ref {ref[i].item()} {msg}")
     if max_mismatch is not None:
         differ = int((out != ref).sum())
         assert differ <= max_mismatch * out.numel() + 2, (
             f"{differ} of {out.numel()} elements differ from the reference (each within "
             f"tolerance, but too many for rounding accidents) {msg}")
+
+
+def int8_bound(ref: torch.Tensor) -> torch.Tensor:
+    return row_bound(ref, TOL_INT8)
+
+
+def int8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return row_scaled_error(out, ref, TOL_INT8)
+
+
+def assert_int8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
+                      max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
+    assert_row_close(out, ref, TOL_INT8, msg, max_mismatch)
 
 
 def run_fused_int8(x, w1, s1, w2, s2, tw, ti, *, is_vnni: bool, **kw) -> torch.Tensor:
@@ -455,41 +469,16 @@ FP8_MAX_MISMATCH = None
 
 
 def fp8_bound(ref: torch.Tensor) -> torch.Tensor:
-    """Allowed |out - ref| per element: rtol |ref| + atol * rms of ref's row."""
-    tol = TOL_FP8[ref.dtype]
-    r = ref.float()
-    row_rms = r.pow(2).mean(-1, keepdim=True).sqrt()
-    return tol["rtol"] * r.abs() + tol["atol"] * row_rms
+    return row_bound(ref, TOL_FP8)
 
 
 def fp8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / fp8_bound(ref) (0/0 counts as 0): <= 1 passes."""
-    d = (out.float() - ref.float()).abs()
-    if d.numel() == 0:
-        return 0.0
-    return float(torch.where(d == 0, torch.zeros_like(d), d / fp8_bound(ref)).max())
+    return row_scaled_error(out, ref, TOL_FP8)
 
 
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                      max_mismatch: Optional[float] = FP8_MAX_MISMATCH) -> None:
-    """out within fp8_bound of ref, finite, same dtype/shape; and (unless max_mismatch
-    is None) at most that fraction of elements (+2) not bit-identical."""
-    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
-    d = (out.float() - ref.float()).abs()
-    bad = d > fp8_bound(ref)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(
-            f"{int(bad.sum())} of {d.numel()} elements beyond rtol |ref| + atol rms(row) "
-            f"({TOL_FP8[ref.dtype]}); worst scaled error {fp8_scaled_error(out, ref):.3g}; "
-            f"first at {i}: out {out[i].item()} ref {ref[i].item()} {msg}")
-    if max_mismatch is not None:
-        differ = int((out != ref).sum())
-        assert differ <= max_mismatch * out.numel() + 2, (
-            f"{differ} of {out.numel()} elements differ from the reference (each within "
-            f"tolerance, but too many for rounding accidents) {msg}")
+    assert_row_close(out, ref, TOL_FP8, msg, max_mismatch)
 
 
 def exact_fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

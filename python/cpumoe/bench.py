@@ -553,24 +553,29 @@ def make_routings(count: int, M: int, E: int, topk: int, generator: torch.Genera
     return out
 
 
-def baseline_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """What a user runs in PyTorch eager without cpumoe (HF transformers' Mixtral /
-    Qwen-MoE block): a loop over the experts that received tokens, in the activation
-    dtype, with unpacked weights ``w1 [E, 2N, K]``, ``w2 [E, K, N]``."""
-    N = w2.shape[2]
+def _per_expert_loop(x: torch.Tensor, N: int, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, mm1, mm2) -> torch.Tensor:
+    """The eager MoE loop over the experts that received tokens (HF transformers' Mixtral /
+    Qwen-MoE block): ``h = mm1(e, rows)``, ``y = mm2(e, silu(gate) * up)``, weighted, summed."""
     out = torch.zeros_like(x)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         if e < 0:
             continue
         token, slot = torch.where(ids == e)
-        h = x[token] @ w1[e].T  # [T, 2N]
-        a = F.silu(h[:, :N]) * h[:, N:]
-        y = a @ w2[e].T  # [T, K]
+        h = mm1(e, x[token])  # [T, 2N]
+        y = mm2(e, F.silu(h[:, :N]) * h[:, N:])  # [T, K]
         y = y * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
+
+
+def baseline_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """What a user runs in PyTorch eager without cpumoe: the per-expert loop in the
+    activation dtype, with unpacked weights ``w1 [E, 2N, K]``, ``w2 [E, K, N]``."""
+    return _per_expert_loop(x, w2.shape[2], topk_weights, topk_ids,
+                            lambda e, a: a @ w1[e].T, lambda e, a: a @ w2[e].T)
 
 
 def baseline_int8pack_moe(x: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor,
@@ -580,19 +585,9 @@ def baseline_int8pack_moe(x: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor,
     ``torch._weight_int8pack_mm(A [T, K], B int8 [OC, K], scales [OC])`` (torch's
     weight-only int8 matmul; activations stay in ``x``'s dtype): ``q1 [E, 2N, K]``,
     ``q2 [E, K, N]`` int8, ``s1 [E, 2N]``, ``s2 [E, K]`` in ``x``'s dtype."""
-    N = q2.shape[2]
-    out = torch.zeros_like(x)
-    ids = topk_ids.long()
-    for e in torch.unique(ids).tolist():
-        if e < 0:
-            continue
-        token, slot = torch.where(ids == e)
-        h = torch._weight_int8pack_mm(x[token], q1[e], s1[e])  # [T, 2N]
-        a = F.silu(h[:, :N]) * h[:, N:]
-        y = torch._weight_int8pack_mm(a, q2[e], s2[e])  # [T, K]
-        y = y * topk_weights[token, slot, None]
-        out.index_add_(0, token, y.to(x.dtype))
-    return out
+    return _per_expert_loop(x, q2.shape[2], topk_weights, topk_ids,
+                            lambda e, a: torch._weight_int8pack_mm(a, q1[e], s1[e]),
+                            lambda e, a: torch._weight_int8pack_mm(a, q2[e], s2[e]))
 
 
 _INT8PACK_REASON: Dict[torch.dtype, Optional[str]] = {}
