@@ -332,14 +332,11 @@ def kernel_activations():
         reference.silu_and_mul, reference.swiglu_clamp = saved
 
 
-def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
-                         alpha=None, limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=1) with the two remaining differences
-    to the kernels removed: the kernels' exp (kernel_activations) and the sum over the
-    topk slots in slot order (the kernels' order; the reference sums per expert). The
-    INT8 kernels must equal this bit for bit (integer GEMMs, every fp32 step in order)."""
-    from cpumoe import reference
-
+def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:
+    """A quantized scheme's reference with the two remaining differences to the kernels
+    removed: the kernels' exp (kernel_activations) and the sum over the topk slots in slot
+    order (the kernels' order; reference.py sums per expert). expert_fn(rows, e) returns
+    one expert's fp32 output for the token rows x[rows] (before the topk weight)."""
     M, K = x.shape
     ids = ti.long()
     g = tw.float()
@@ -349,15 +346,27 @@ def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
             if e < 0:
                 continue
             rows, slots = (ids == e).nonzero(as_tuple=True)
-            y = reference.expert_mlp_int8(
-                x[rows], w1[e], s1[e], w2[e], s2[e],
-                None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
-                alpha, limit)
-            ys[rows, slots] = y * g[rows, slots, None]
+            ys[rows, slots] = expert_fn(rows, e) * g[rows, slots, None]
     acc = torch.zeros(M, K)
     for j in range(ids.shape[1]):
         acc = acc + ys[:, j]
     return acc.to(x.dtype)
+
+
+def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
+                         alpha=None, limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=1) in the kernels' exact order
+    (slot_order_reference). The INT8 kernels must equal this bit for bit (integer GEMMs,
+    every fp32 step in order)."""
+    from cpumoe import reference
+
+    def expert(rows, e):
+        return reference.expert_mlp_int8(
+            x[rows], w1[e], s1[e], w2[e], s2[e],
+            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
+            alpha, limit)
+
+    return slot_order_reference(x, tw, ti, expert)
 
 
 # ---------------------------------------------------------------------------------------
@@ -482,23 +491,10 @@ def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
 
 
 def exact_fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """C's fmaf on fp32 tensors (broadcasting), exactly: a*b is exact in float64 (24 + 24
-    bits), the sum p + c is rounded to float64 (s) with its exact error e (TwoSum), and s
-    is rounded to fp32. That double rounding can only go wrong when s lands exactly on a
-    midpoint between two fp32 values while e != 0; then the true sum lies on e's side."""
-    p = a.double() * b.double()
-    cd = c.double()
-    s = p + cd
-    bb = s - p
-    e = (p - (s - bb)) + (cd - bb)
-    f = s.float()
-    fd = f.double()
-    inf = torch.full_like(f, float("inf"))
-    toward = torch.where(fd < s, inf, -inf)
-    other = torch.nextafter(f, toward)
-    od = other.double()
-    tie = (fd != s) & (fd + od == 2 * s)
-    return torch.where(tie & ((od - fd) * e > 0), other, f)
+    """C's fmaf on fp32 tensors, exactly (reference.fmaf)."""
+    from cpumoe import reference
+
+    return reference.fmaf(a, b, c)
 
 
 def fma_chain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -580,3 +576,75 @@ def subprocess_env(**extra):
     env.pop("CPUMOE_ISA", None)
     env.update(extra)
     return env
+
+
+# ---------------------------------------------------------------------------------------
+# INT4 W4A8 (moe_comp_method 3) helpers.
+
+INT4 = 3  # moe_comp_method of INT4 W4A8
+INT4_FORMATS = {"awq": 0, "gptq": 1}  # quant_method_4bit of convert_weight_packed_scale_zp
+# Tolerance against reference.fused_experts(..., moe_comp_method=3): the reference repeats
+# the kernels' order (per-row activation quantization as for INT8, exact integer block
+# sums, one fmaf per block with the group scale, times the row scale), so what differs is
+# what TOL_INT8 explains: torch's exp vs the kernels' and the order of the slot sum.
+TOL_INT4 = TOL_INT8
+
+
+class Int4Weights:
+    """One expert set in the three forms a test needs: ``ckpt1/ckpt2`` the AWQ or GPTQ
+    checkpoint tensors (qweight, qzeros, scales), ``u1/u2`` unpacked (nibbles, zeros, scales
+    [E, OC, G]) for reference.py, ``p1/p2`` packed (weight, zeros, scales) for the op."""
+
+    def __init__(self, E: int, N: int, K: int, group: int, fmt: str = "awq", group2=None,
+                 scales_dtype: torch.dtype = torch.float16):
+        from cpumoe import quant, reference
+
+        f1, f2 = make_weights(E, N, K, torch.float32)
+        self.group, self.group2 = group, group2 or group
+        self.fmt, self.method = fmt, INT4_FORMATS[fmt]
+        self.ckpt1 = quant.quantize_int4(f1, self.group, fmt, scales_dtype)
+        self.ckpt2 = quant.quantize_int4(f2, self.group2, fmt, scales_dtype)
+        self.u1 = reference.unpack_int4_checkpoint(*self.ckpt1, self.method)
+        self.u2 = reference.unpack_int4_checkpoint(*self.ckpt2, self.method)
+        self.p1 = cpumoe.convert_weight_packed_scale_zp(*self.ckpt1, self.method)
+        self.p2 = cpumoe.convert_weight_packed_scale_zp(*self.ckpt2, self.method)
+
+    def op_kwargs(self) -> dict:
+        return dict(moe_comp_method=INT4, w1_scale=self.p1[2], w2_scale=self.p2[2],
+                    w1_zero=self.p1[1], w2_zero=self.p2[1])
+
+    def ref_kwargs(self) -> dict:
+        return dict(moe_comp_method=INT4, w1_scale=self.u1[2], w2_scale=self.u2[2],
+                    w1_zero=self.u1[1], w2_zero=self.u2[1])
+
+
+def run_fused_int4(x, w: Int4Weights, tw, ti, **kw) -> torch.Tensor:
+    return cpumoe.fused_experts(x, w.p1[0], w.p2[0], tw, ti, **w.op_kwargs(), **kw)
+
+
+def ref_int4(x, w: Int4Weights, tw, ti, **kw) -> torch.Tensor:
+    from cpumoe import reference
+
+    return reference.fused_experts(x, w.u1[0], w.u2[0], tw, ti, **w.ref_kwargs(), **kw)
+
+
+def int4_exact_reference(x, w: Int4Weights, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
+                         limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=3) in the kernels' exact order
+    (slot_order_reference): the INT4 kernels must equal it bit for bit."""
+    from cpumoe import reference
+
+    (w1, z1, s1), (w2, z2, s2) = w.u1, w.u2
+
+    def expert(rows, e):
+        return reference.expert_mlp_int4(
+            x[rows], w1[e], z1[e], s1[e], w2[e], z2[e], s2[e],
+            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
+            alpha, limit)
+
+    return slot_order_reference(x, tw, ti, expert)
+
+
+def assert_int4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
+                      max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
+    assert_row_close(out, ref, TOL_INT4, msg, max_mismatch)

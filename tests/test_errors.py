@@ -315,10 +315,11 @@ def test_unknown_method(method):
         fused(moe_comp_method=method)
 
 
-@pytest.mark.parametrize("method, name", [(3, "INT4 W4A8")])
-def test_quantized_methods_not_implemented(method, name):
-    with raises(rf"moe_comp_method {method} \({name}\) is not implemented"):
-        fused(moe_comp_method=method, w1_scale=torch.ones(E, 2 * N, 1),
+def test_int4_method_with_bf16_weights():
+    """moe_comp_method 3 (INT4 W4A8) is implemented (tests/test_int4.py): 3-D bf16 weights
+    are rejected as not packed by convert_weight_packed_scale_zp."""
+    with raises(r"int4 w1 and w2 must be 4-D \[E, out_features/32, in_features/bk, 16\*bk\+128\]"):
+        fused(moe_comp_method=3, w1_scale=torch.ones(E, 2 * N, 1),
               w2_scale=torch.ones(E, K, 1))
 
 

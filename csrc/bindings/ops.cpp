@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpumoe/cpumoe.h"
@@ -53,23 +54,11 @@ cpumoe_dtype act_dtype(const at::Tensor &hidden, const char *op) {
   return t == at::kBFloat16 ? CPUMOE_DTYPE_BF16 : CPUMOE_DTYPE_F16;
 }
 
-const char *scheme_name(int64_t m) {
-  switch (m) {
-    case 1: return "1 (INT8 W8A8)";
-    case 2: return "2 (FP8 W8A16)";
-    case 3: return "3 (INT4 W4A8)";
-    default: return "?";
-  }
-}
-
 void check_scheme(int64_t moe_comp_method, const char *op) {
   TORCH_CHECK(moe_comp_method >= 0 && moe_comp_method <= 3, op,
               ": moe_comp_method must be 0 (bf16/fp16), 1 (int8 w8a8), 2 (fp8 w8a16) or 3 "
               "(int4 w4a8), got ",
               moe_comp_method);
-  TORCH_CHECK(moe_comp_method <= 2, op, ": moe_comp_method ", scheme_name(moe_comp_method),
-              " is not implemented in this version of cpumoe; 0 (bf16/fp16 weights), 1 (int8 "
-              "w8a8) and 2 (fp8 w8a16) are");
 }
 
 // What a weight scheme expects of w1/w2 and their scales.
@@ -80,11 +69,15 @@ struct SchemeSpec {
   int64_t packed_extra_cols;    // a packed row is IC + this long (int8: 4 bytes of comp)
   bool channel_scales;          // per output channel fp32 scales required
   bool block_scales;            // 2-D block scales and block_size required (fp8)
+  bool group_scales = false;    // int4: per-group scales and zero points
 };
 
 SchemeSpec scheme_spec(int64_t method, at::ScalarType act) {
   if (method == 1)
     return {CPUMOE_SCHEME_INT8_W8A8, "moe_comp_method 1 (int8 w8a8)", at::kChar, 4, true, false};
+  if (method == 3)
+    return {
+        CPUMOE_SCHEME_INT4_W4A8, "moe_comp_method 3 (int4 w4a8)", at::kByte, 0, false, false, true};
   if (method == 2)
     return {CPUMOE_SCHEME_FP8_W8A16,
             "moe_comp_method 2 (fp8 w8a16)",
@@ -156,7 +149,7 @@ std::pair<int64_t, int64_t> check_scale_args(const SchemeSpec &spec,
                                              const std::optional<at::Tensor> &w1_scale,
                                              const std::optional<at::Tensor> &w2_scale,
                                              at::OptionalIntArrayRef block_size, const char *op) {
-  if (!spec.channel_scales && !spec.block_scales) {
+  if (!spec.channel_scales && !spec.block_scales && !spec.group_scales) {
     check_unused(w1_scale, "w1_scale", op, spec);
     check_unused(w2_scale, "w2_scale", op, spec);
   }
@@ -253,6 +246,80 @@ at::Tensor convert_weight_packed(const at::Tensor &weight) {
   return pack_weight(weight, op);
 }
 
+// SGLang's convert_weight_packed_scale_zp: AWQ (0) or GPTQ (1) int4 checkpoint tensors ->
+// (packed weight, zero points, scales) in the layout of docs/FORMATS.md.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
+    const at::Tensor &qweight, const at::Tensor &qzeros, const at::Tensor &scales,
+    int64_t quant_method_4bit) {
+  const char *op = "convert_weight_packed_scale_zp";
+  TORCH_CHECK(quant_method_4bit == 0 || quant_method_4bit == 1, op,
+              ": quant_method_4bit must be 0 (AWQ) or 1 (GPTQ), got ", quant_method_4bit);
+  const bool awq = quant_method_4bit == 0;
+  for (const auto &[t, name] : {std::pair<const at::Tensor &, const char *>{qweight, "weight"},
+                                {qzeros, "qzeros"},
+                                {scales, "scales"}}) {
+    check_cpu_tensor(t, name, op);
+    TORCH_CHECK(t.dim() == 2 || t.dim() == 3, op, ": ", name,
+                " must be 2-D or 3-D (one matrix or [E, ...] experts), got shape ", t.sizes());
+    TORCH_CHECK(t.dim() == qweight.dim(), op,
+                ": weight, qzeros and scales must all be 2-D or all "
+                "3-D, got shapes ",
+                qweight.sizes(), ", ", qzeros.sizes(), ", ", scales.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  }
+  TORCH_CHECK(qweight.scalar_type() == at::kInt, op,
+              ": weight must be int32 (8 nibbles per word, AWQ/GPTQ qweight), got ",
+              dtype_name(qweight.scalar_type()));
+  TORCH_CHECK(qzeros.scalar_type() == at::kInt, op,
+              ": qzeros must be int32 (8 nibbles per word), got ",
+              dtype_name(qzeros.scalar_type()));
+  const auto sdt = scales.scalar_type();
+  TORCH_CHECK(sdt == at::kBFloat16 || sdt == at::kHalf || sdt == at::kFloat, op,
+              ": scales must be bfloat16, float16 or float32, got ", dtype_name(sdt));
+  const bool experts = qweight.dim() == 3;
+  const int64_t E = experts ? qweight.size(0) : 1;
+  TORCH_CHECK(!experts || (qzeros.size(0) == E && scales.size(0) == E), op,
+              ": weight, qzeros and scales must have the same number of experts, got shapes ",
+              qweight.sizes(), ", ", qzeros.sizes(), ", ", scales.sizes());
+  // AWQ qweight [IC, OC/8]; GPTQ qweight [IC/8, OC]; qzeros [G, OC/8]; scales [G, OC]
+  const int64_t ic = awq ? qweight.size(-2) : qweight.size(-2) * 8;
+  const int64_t oc = awq ? qweight.size(-1) * 8 : qweight.size(-1);
+  const int64_t groups = scales.size(-2);
+  TORCH_CHECK(scales.size(-1) == oc, op, ": scales must be [", experts ? "E, " : "",
+              "groups, out_features=", oc, "], got shape ", scales.sizes());
+  TORCH_CHECK(qzeros.size(-2) == groups && qzeros.size(-1) * 8 == oc, op, ": qzeros must be [",
+              experts ? "E, " : "", "groups=", groups, ", out_features/8=", oc / 8, "], got shape ",
+              qzeros.sizes());
+  TORCH_CHECK(oc > 0 && oc % 32 == 0, op, ": invalid weight out features ", oc,
+              " (must be a positive multiple of 32)");
+  TORCH_CHECK(groups > 0 && ic % groups == 0, op, ": ", ic, " input features cannot be split into ",
+              groups, " groups (scales.size(-2))");
+  const int64_t group = ic / groups, bk = cpumoe_int4_block_k(group);
+  TORCH_CHECK(bk > 0, op, ": group size ", group, " (", ic, " input features / ", groups,
+              " groups) is not supported: it must be a multiple of 4 that is at most 128, or a "
+              "multiple of 128");
+  auto shaped = [&](std::vector<int64_t> dims) {
+    if (experts) dims.insert(dims.begin(), E);
+    return dims;
+  };
+  at::Tensor packed =
+      at::empty(shaped({oc / 32, ic / bk, 16 * bk + 128}), qweight.options().dtype(at::kByte));
+  at::Tensor zeros = at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kChar));
+  at::Tensor out_scales =
+      at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kFloat));
+  const cpumoe_runner runner = aten_runner();
+  const cpumoe_dtype scales_dtype = sdt == at::kBFloat16 ? CPUMOE_DTYPE_BF16
+                                    : sdt == at::kHalf   ? CPUMOE_DTYPE_F16
+                                                         : CPUMOE_DTYPE_F32;
+  check_status(
+      cpumoe_pack_int4(awq ? CPUMOE_INT4_AWQ : CPUMOE_INT4_GPTQ, qweight.data_ptr<int32_t>(),
+                       qzeros.data_ptr<int32_t>(), scales.data_ptr(), scales_dtype, E, oc, ic,
+                       groups, packed.data_ptr<uint8_t>(), zeros.data_ptr<int8_t>(),
+                       out_scales.data_ptr<float>(), &runner),
+      op);
+  return {packed, zeros, out_scales};
+}
+
 // One workspace per calling thread, grown on demand and kept: fresh pages are faulted in
 // and zero-filled by the OS on first touch, which on every call would cost ~10 ms for a
 // 512-token Qwen3 layer. release_workspace() returns it to torch's allocator.
@@ -301,6 +368,64 @@ void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
       " (w1.size(-2) / 2) must be a multiple of 32 (pad w1 rows and w2 columns with zeros)");
 }
 
+// ---- INT4 W4A8 -------------------------------------------------------------------------
+// Packed by convert_weight_packed_scale_zp (docs/FORMATS.md): per expert, a weight of OC
+// output and IC input features is uint8 [OC/32, IC/bk, 16*bk + 128] (bk = min(group, 128)),
+// its scales fp32 and zero points int8 [OC/32, IC/group, 32].
+
+struct Int4Operand {
+  const float *scale;
+  const int8_t *zero;
+  int64_t group;
+};
+
+// The INT4 scale or zero tensor `t`: present, `dtype`, 4-D [E, OC/32, groups, 32], contiguous.
+void check_int4_group_tensor(const std::optional<at::Tensor> &t, const char *name,
+                             at::ScalarType dtype, int64_t E, const char *op) {
+  TORCH_CHECK(t.has_value(), op, ": missing ", name,
+              " for moe_comp_method 3 (int4 w4a8): pass the tensors returned by "
+              "convert_weight_packed_scale_zp (w*_scale = its scales, w*_zero = its qzeros)");
+  check_cpu_tensor(*t, name, op);
+  TORCH_CHECK(t->scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype),
+              " for moe_comp_method 3 (int4 w4a8), got ", dtype_name(t->scalar_type()));
+  TORCH_CHECK(
+      t->dim() == 4 && t->size(0) == E && t->size(3) == 32 && t->size(1) > 0 && t->size(2) > 0, op,
+      ": ", name, " must have shape [E=", E,
+      ", out_features/32, groups, 32] (from convert_weight_packed_scale_zp), got ", t->sizes());
+  TORCH_CHECK(t->is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// Checks one packed INT4 weight [E, OC/32, IC/bk, 16 bk + 128] against its scale and zero
+// tensors; returns the pointers and the group size.
+Int4Operand check_int4_weight(const at::Tensor &w, const char *wname,
+                              const std::optional<at::Tensor> &scale, const char *sname,
+                              const std::optional<at::Tensor> &zero, const char *zname, int64_t E,
+                              int64_t oc, int64_t ic, const char *op) {
+  check_int4_group_tensor(scale, sname, at::kFloat, E, op);
+  check_int4_group_tensor(zero, zname, at::kChar, E, op);
+  TORCH_CHECK(zero->sizes() == scale->sizes(), op, ": ", zname, " must have the shape of ", sname,
+              " ", scale->sizes(), ", got ", zero->sizes());
+  TORCH_CHECK(scale->size(1) * 32 == oc, op, ": ", sname, " has ", scale->size(1),
+              " blocks of 32 output features, expected ", oc, " / 32 = ", oc / 32);
+  const int64_t groups = scale->size(2);
+  TORCH_CHECK(ic % groups == 0, op, ": ", sname, " has ", groups,
+              " groups, which do not divide the ", ic, " input features of ", wname);
+  const int64_t group = ic / groups, bk = cpumoe_int4_block_k(group);
+  TORCH_CHECK(bk > 0, op, ": ", wname, " has group size ", group, " (", ic, " input features / ",
+              groups,
+              " groups); int4 needs a multiple of 4 that is at most 128, or a multiple of 128");
+  const std::vector<int64_t> shape{E, oc / 32, ic / bk, 16 * bk + 128};
+  const c10::IntArrayRef expected(shape);
+  TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname,
+              " must be uint8 for moe_comp_method 3 (int4 w4a8), got ",
+              dtype_name(w.scalar_type()));
+  TORCH_CHECK(w.sizes() == expected, op, ": ", wname, " must have shape ", expected,
+              " (packed by convert_weight_packed_scale_zp, group size ", group, "), got ",
+              w.sizes());
+  TORCH_CHECK(w.is_contiguous(), op, ": ", wname, " must be contiguous");
+  return {scale->data_ptr<float>(), zero->data_ptr<int8_t>(), group};
+}
+
 at::Tensor fused_experts_impl(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
@@ -315,22 +440,53 @@ at::Tensor fused_experts_impl(
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
   const SchemeSpec spec = scheme_spec(moe_comp_method, dt);
-  check_unused(w1_zero, "w1_zero", op, spec);
-  check_unused(w2_zero, "w2_zero", op, spec);
+  const bool int4 = spec.scheme == CPUMOE_SCHEME_INT4_W4A8;
+  if (!int4) {
+    check_unused(w1_zero, "w1_zero", op, spec);
+    check_unused(w2_zero, "w2_zero", op, spec);
+  }
   const auto [bn, bk] = check_scale_args(spec, w1_scale, w2_scale, block_size, op);
 
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
-  TORCH_CHECK(w1.dim() == 3, op, ": w1 must be a 3-D tensor [E, 2N, K], got shape ", w1.sizes());
-  const int64_t E = w1.size(0), N = w1.size(1) / 2;
-  TORCH_CHECK(E > 0, op, ": w1 must hold at least one expert, got shape ", w1.sizes());
-  TORCH_CHECK(w1.size(1) % 2 == 0 && N > 0, op,
-              ": w1.size(1) must be 2N (gate and up rows), a positive even number, got ",
-              w1.size(1));
-  check_mlp_sizes(K, N, op);
-  const at::Tensor pw1 = prepare_weight(w1, "w1", op, spec, {E, 2 * N, K}, is_vnni);
-  const at::Tensor pw2 = prepare_weight(w2, "w2", op, spec, {E, K, N}, is_vnni);
-  const auto [s1, s2] = scale_pointers(spec, w1_scale, w2_scale, {E}, N, K, bn, bk, op);
+  check_cpu_tensor(w2, "w2", op);
+  at::Tensor pw1 = w1, pw2 = w2;
+  int64_t E, N;
+  const float *s1 = nullptr, *s2 = nullptr;
+  Int4Operand q1{}, q2{};
+  if (int4) {
+    // [E, 2N/32, K/bk, 16 bk + 128]: N comes from the scales, as in SGLang
+    TORCH_CHECK(is_vnni, op,
+                ": moe_comp_method 3 (int4 w4a8) needs w1/w2 packed by "
+                "convert_weight_packed_scale_zp and is_vnni=True (there is no unpacked int4 "
+                "weight format)");
+    TORCH_CHECK(w1.dim() == 4 && w2.dim() == 4, op,
+                ": int4 w1 and w2 must be 4-D [E, out_features/32, in_features/bk, 16*bk+128] "
+                "(from convert_weight_packed_scale_zp), got shapes ",
+                w1.sizes(), " and ", w2.sizes());
+    E = w1.size(0);
+    TORCH_CHECK(E > 0, op, ": w1 must hold at least one expert, got shape ", w1.sizes());
+    check_int4_group_tensor(w1_scale, "w1_scale", at::kFloat, E, op);
+    TORCH_CHECK(w1_scale->size(1) % 2 == 0, op,
+                ": w1_scale must cover 2N output features (gate and up) in blocks of 32, got ",
+                w1_scale->size(1), " blocks");
+    N = w1_scale->size(1) * 32 / 2;
+    check_mlp_sizes(K, N, op);
+    q1 = check_int4_weight(w1, "w1", w1_scale, "w1_scale", w1_zero, "w1_zero", E, 2 * N, K, op);
+    q2 = check_int4_weight(w2, "w2", w2_scale, "w2_scale", w2_zero, "w2_zero", E, K, N, op);
+    s1 = q1.scale, s2 = q2.scale;
+  } else {
+    TORCH_CHECK(w1.dim() == 3, op, ": w1 must be a 3-D tensor [E, 2N, K], got shape ", w1.sizes());
+    E = w1.size(0), N = w1.size(1) / 2;
+    TORCH_CHECK(E > 0, op, ": w1 must hold at least one expert, got shape ", w1.sizes());
+    TORCH_CHECK(w1.size(1) % 2 == 0 && N > 0, op,
+                ": w1.size(1) must be 2N (gate and up rows), a positive even number, got ",
+                w1.size(1));
+    check_mlp_sizes(K, N, op);
+    pw1 = prepare_weight(w1, "w1", op, spec, {E, 2 * N, K}, is_vnni);
+    pw2 = prepare_weight(w2, "w2", op, spec, {E, K, N}, is_vnni);
+    std::tie(s1, s2) = scale_pointers(spec, w1_scale, w2_scale, {E}, N, K, bn, bk, op);
+  }
 
   check_cpu_tensor(topk_weights, "topk_weights", op);
   check_cpu_tensor(topk_ids, "topk_ids", op);
@@ -380,6 +536,8 @@ at::Tensor fused_experts_impl(
   p.w1_scale = s1;
   p.w2_scale = s2;
   p.block_n = bn, p.block_k = bk;
+  p.w1_zero = q1.zero, p.w2_zero = q2.zero;
+  p.w1_group = q1.group, p.w2_group = q2.group;
   p.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
   p.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   p.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
@@ -515,6 +673,9 @@ TORCH_LIBRARY(cpumoe, m) {
       "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
       "Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, bool is_vnni) -> Tensor");
   m.def("convert_weight_packed(Tensor weight) -> Tensor");
+  m.def(
+      "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
+      "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
@@ -522,6 +683,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_cpu.bias", &fused_experts_impl);
   m.impl("shared_expert_cpu", &shared_expert_cpu);
   m.impl("convert_weight_packed", &convert_weight_packed);
+  m.impl("convert_weight_packed_scale_zp", &convert_weight_packed_scale_zp);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

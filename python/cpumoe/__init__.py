@@ -24,6 +24,7 @@ from . import (
 from .ops import (
     MoeCompMethod,
     convert_weight_packed,
+    convert_weight_packed_scale_zp,
     fused_experts,
     shared_expert,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "best_isa",
     "built_isas",
     "convert_weight_packed",
+    "convert_weight_packed_scale_zp",
     "cpu_features",
     "fused_experts",
     "isa",

@@ -52,3 +52,16 @@ def _convert_weight_packed_fake(weight):
     if weight.dim() == 2 and weight.shape[0] < 16:
         return weight.new_empty((weight.shape[1], weight.shape[0]), dtype=torch.float32)
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("cpumoe::convert_weight_packed_scale_zp")
+def _convert_weight_packed_scale_zp_fake(weight, qzeros, scales, quant_method_4bit):
+    *lead, rows, cols = weight.shape
+    ic, oc = (rows, cols * 8) if quant_method_4bit == 0 else (rows * 8, cols)
+    groups = scales.shape[-2]
+    group = ic // groups
+    bk = min(group, 128)
+    packed = weight.new_empty((*lead, oc // 32, ic // bk, 16 * bk + 128), dtype=torch.uint8)
+    zeros = weight.new_empty((*lead, oc // 32, groups, 32), dtype=torch.int8)
+    out_scales = weight.new_empty((*lead, oc // 32, groups, 32), dtype=torch.float32)
+    return packed, zeros, out_scales

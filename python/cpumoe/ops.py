@@ -39,6 +39,27 @@ def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.cpumoe.convert_weight_packed(weight)
 
 
+def convert_weight_packed_scale_zp(qweight: torch.Tensor, qzeros: torch.Tensor,
+                                   scales: torch.Tensor, quant_method_4bit: int):
+    """Packs an AWQ (``quant_method_4bit=0``) or GPTQ (``1``) 4-bit checkpoint for
+    ``moe_comp_method=3``; byte-identical to SGLang's op of the same name.
+
+    Per expert (a leading ``E`` dim is optional on all three), with OC output and IC input
+    features in G groups along IC:
+
+    * AWQ: ``qweight`` int32 ``[IC, OC/8]``, ``qzeros`` int32 ``[G, OC/8]``;
+    * GPTQ: ``qweight`` int32 ``[IC/8, OC]``, ``qzeros`` int32 ``[G, OC/8]`` (zero - 1);
+    * ``scales`` ``[G, OC]`` bf16, fp16 or fp32.
+
+    Returns ``(weight uint8 [OC/32, IC/bk, 16*bk + 128], zeros int8 [OC/32, G, 32],
+    scales fp32 [OC/32, G, 32])`` with ``bk = min(IC/G, 128)``; pass them to
+    :func:`fused_experts` as ``w*``, ``w*_zero`` and ``w*_scale``. Group sizes: multiples
+    of 4 up to 128, or multiples of 128 (docs/FORMATS.md).
+    """
+    return torch.ops.cpumoe.convert_weight_packed_scale_zp(qweight, qzeros, scales,
+                                                           int(quant_method_4bit))
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -72,6 +93,10 @@ def fused_experts(
         topk_ids: ``[M, topk]``, int32 or int64, values in ``[0, E)`` or ``-1``.
         inplace: write the result into ``hidden_states`` and return it.
         moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
+        w1_scale, w2_scale: INT8: fp32 per output channel; FP8: fp32 block scales with
+            ``block_size``; INT4: from :func:`convert_weight_packed_scale_zp`.
+        w1_zero, w2_zero: INT4 only: the zero points from
+            :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;

@@ -46,3 +46,66 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size=(128, 128)):
     full = scale.repeat_interleave(block_n, -2).repeat_interleave(block_k, -1)[..., :oc, :ic]
     q = (w / full).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+INT4_AWQ, INT4_GPTQ = 0, 1
+# AWQ stores the 8 output columns of an int32 word in nibble order 0,2,4,6,1,3,5,7:
+# column j lives in nibble AWQ_NIBBLE_OF_COLUMN[j].
+AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def _pack_nibbles(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """int tensor of 0..15 -> int32 words of 8 nibbles along `dim` (element j of each 8 in
+    nibble order[j])."""
+    v = values.movedim(dim, -1).to(torch.int64)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    shifts = torch.tensor([4 * n for n in order], dtype=torch.int64)
+    words = (v << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128, fmt: str = "awq",
+                  scales_dtype: torch.dtype = torch.float16):
+    """Asymmetric 4-bit group quantization for INT4 W4A8, in AWQ or GPTQ checkpoint format.
+
+    ``weight [..., OC, IC]`` (float) is cut into groups of ``group_size`` input features
+    per output channel; each group gets ``scale = (max - min) / 15`` and an integer
+    ``zero`` with ``w ~= (q - zero) * scale``, ``q`` in 0..15. Returns
+    ``(qweight, qzeros, scales)`` as a checkpoint stores them:
+
+    * ``fmt="awq"``: ``qweight`` int32 ``[..., IC, OC/8]`` (columns in AWQ's nibble order),
+      ``qzeros`` int32 ``[..., G, OC/8]``, ``scales [..., G, OC]``;
+    * ``fmt="gptq"``: ``qweight`` int32 ``[..., IC/8, OC]`` (8 consecutive input features
+      per word), ``qzeros`` int32 ``[..., G, OC/8]`` holding ``zero - 1`` (GPTQ v1), so zero
+      points are kept in 1..15; ``scales [..., G, OC]``.
+
+    Feed them to :func:`cpumoe.convert_weight_packed_scale_zp` (0 for AWQ, 1 for GPTQ).
+    Act-order (``g_idx``) checkpoints are not covered.
+    """
+    if fmt not in ("awq", "gptq"):
+        raise ValueError(f"fmt must be 'awq' or 'gptq', got {fmt!r}")
+    w = weight.float()
+    *lead, oc, ic = w.shape
+    if ic % group_size or oc % 8 or (fmt == "gptq" and ic % 8):
+        raise ValueError(f"weight [{oc}, {ic}]: IC must be a multiple of group_size "
+                         f"{group_size} (and of 8 for gptq), OC a multiple of 8")
+    groups = w.reshape(*lead, oc, ic // group_size, group_size)
+    lo = groups.amin(-1).clamp(max=0.0)
+    hi = groups.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(scales_dtype).float()
+    zero_min = 1 if fmt == "gptq" else 0
+    zero = torch.round(-lo / scale).clamp(zero_min, 15)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15)
+    q = q.reshape(*lead, oc, ic).to(torch.int32)
+    zero = zero.to(torch.int32)  # [..., OC, G]
+    scales = scale.transpose(-1, -2).contiguous().to(scales_dtype)  # [..., G, OC]
+    zeros_gn = zero.transpose(-1, -2)  # [..., G, OC]
+    q_kn = q.transpose(-1, -2)  # [..., IC, OC]
+    if fmt == "awq":
+        qweight = _pack_nibbles(q_kn, -1, AWQ_NIBBLE_OF_COLUMN)
+        qzeros = _pack_nibbles(zeros_gn, -1, AWQ_NIBBLE_OF_COLUMN)
+    else:
+        qweight = _pack_nibbles(q_kn, -2)
+        qzeros = _pack_nibbles(zeros_gn - 1, -1)
+    return qweight.contiguous(), qzeros.contiguous(), scales

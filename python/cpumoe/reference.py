@@ -126,6 +126,126 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block_n: int,
     return w.float() * s
 
 
+def unpack_int4_checkpoint(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                           quant_method_4bit: int):
+    """AWQ (0) or GPTQ (1) checkpoint tensors (see :func:`cpumoe.quant.quantize_int4`) ->
+    ``(w, zero, scale)``: nibbles ``w`` int32 ``[..., OC, IC]`` in 0..15, zero points int32
+    ``[..., OC, G]`` (GPTQ's stored ``zero - 1`` plus one) and scales fp32 ``[..., OC, G]``;
+    the real weight is ``(w - zero) * scale`` of the element's group."""
+    from .quant import AWQ_NIBBLE_OF_COLUMN
+
+    def nibbles(words: torch.Tensor, dim: int, order) -> torch.Tensor:
+        shifts = torch.tensor([4 * n for n in order], dtype=torch.int64)
+        v = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 15  # [..., words, 8] last
+        v = v.movedim(dim - 1 if dim < 0 else dim, -2)
+        return v.reshape(*v.shape[:-2], -1).movedim(-1, dim)
+
+    if quant_method_4bit == 0:
+        w = nibbles(qweight, -1, AWQ_NIBBLE_OF_COLUMN)  # [..., IC, OC]
+        zero = nibbles(qzeros, -1, AWQ_NIBBLE_OF_COLUMN)  # [..., G, OC]
+    else:
+        w = nibbles(qweight, -2, range(8))  # [..., IC, OC]
+        zero = nibbles(qzeros, -1, range(8)) + 1
+    return (w.transpose(-1, -2).to(torch.int32), zero.transpose(-1, -2).to(torch.int32),
+            scales.float().transpose(-1, -2))
+
+
+def int4_block_k(group: int) -> int:
+    """k per packed INT4 block: min(group, 128)."""
+    return min(group, 128)
+
+
+def pack_int4(w: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor):
+    """Reference of `convert_weight_packed_scale_zp` after unpacking (docs/FORMATS.md):
+    ``w [..., OC, IC]`` nibbles, ``zero``/``scale [..., OC, G]`` -> ``(packed uint8
+    [..., OC/32, IC/bk, 16*bk + 128], zeros int8 [..., OC/32, G, 32], scales fp32
+    [..., OC/32, G, 32])``. Per block of 32 columns x bk k: byte ``kk*64 + 4*l + b`` holds
+    k = 4kk+b of column c(l) in its low nibble and of column c(l)+8 in its high nibble
+    (c(l) = l for l < 8, l + 8 after); then int32 comp[32] = sum over the block of
+    (w - zero)."""
+    *lead, oc, ic = w.shape
+    groups = zero.shape[-1]
+    group = ic // groups
+    bk = int4_block_k(group)
+    wb = w.reshape(-1, oc // 32, 32, ic // bk, bk).to(torch.int32)  # [B, tiles, 32, kb, bk]
+    lane_cols = torch.tensor([c if c < 8 else c + 8 for c in range(16)])
+    low = wb[:, :, lane_cols]  # [B, tiles, 16, kb, bk]
+    high = wb[:, :, lane_cols + 8]
+    byte = (low | (high << 4)).to(torch.uint8)
+    # -> [B, tiles, kb, bk/4, 16 lanes, 4]
+    byte = byte.reshape(*byte.shape[:4], bk // 4, 4).permute(0, 1, 3, 4, 2, 5)
+    body = byte.reshape(*byte.shape[:3], 16 * bk)
+    zero_k = zero.reshape(-1, oc // 32, 32, groups).repeat_interleave(group, -1)
+    comp = (wb - zero_k.reshape(wb.shape)).sum(-1)  # [B, tiles, 32, kb]
+    comp_bytes = comp.permute(0, 1, 3, 2).contiguous().to(torch.int32).view(torch.uint8)
+    packed = torch.cat([body, comp_bytes.reshape(*body.shape[:3], 128)], dim=-1)
+    tiles = lambda t: t.reshape(-1, oc // 32, 32, groups).transpose(-1, -2).contiguous()  # noqa: E731
+    return (packed.reshape(*lead, oc // 32, ic // bk, 16 * bk + 128),
+            tiles(zero).to(torch.int8).reshape(*lead, oc // 32, groups, 32),
+            tiles(scale).float().reshape(*lead, oc // 32, groups, 32))
+
+
+def dequantize_int4(w: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(w - zero) * scale`` in fp32 for ``w [..., OC, IC]``, ``zero``/``scale [..., OC, G]``."""
+    group = w.shape[-1] // zero.shape[-1]
+    return (w - zero.repeat_interleave(group, -1)).float() * scale.repeat_interleave(group, -1)
+
+
+def fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """C's fmaf on fp32 tensors (broadcasting), exactly: a*b is exact in float64 (24 + 24
+    bits), the sum p + c is rounded to float64 (s) with its exact error e (TwoSum), and s
+    is rounded to fp32. That double rounding can only go wrong when s lands exactly on a
+    midpoint between two fp32 values while e != 0; then the true sum lies on e's side."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bb = s - p
+    e = (p - (s - bb)) + (cd - bb)
+    f = s.float()
+    fd = f.double()
+    inf = torch.full_like(f, float("inf"))
+    toward = torch.where(fd < s, inf, -inf)
+    other = torch.nextafter(f, toward)
+    od = other.double()
+    tie = (fd != s) & (fd + od == 2 * s)
+    return torch.where(tie & ((od - fd) * e > 0), other, f)
+
+
+def int4_linear(q: torch.Tensor, row_scale: torch.Tensor, w: torch.Tensor, zero: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor:
+    """INT4 W4A8 GEMM in the kernels' order: per block of bk = min(group, 128) k, the exact
+    integer sum ``t = q[:, blk] @ (w - zero)[:, blk].T``, folded as ``c = fmaf(t, scale, c)``
+    in fp32 (:func:`fmaf`, exact); finally ``c * row_scale``.
+    q [T, L] integer-valued (quantize_rows_int8), w/zero/scale as :func:`dequantize_int4`."""
+    oc, ic = w.shape
+    group = ic // zero.shape[-1]
+    bk = int4_block_k(group)
+    wz = (w - zero.repeat_interleave(group, -1)).double()
+    c = torch.zeros(q.shape[0], oc, dtype=torch.float32)
+    for k0 in range(0, ic, bk):
+        t = (q[:, k0:k0 + bk].double() @ wz[:, k0:k0 + bk].t()).float()
+        s = scale[:, k0 // group].float()
+        c = fmaf(t, s[None, :], c)
+    return c * row_scale[:, None]
+
+
+def expert_mlp_int4(x, w1, z1, s1, w2, z2, s2, b1=None, b2=None, alpha=None, limit=None):
+    """One INT4 W4A8 expert on rows x [T, K] (16-bit): nibbles w1 [2N, K], w2 [K, N] with
+    zero points and scales [.., G] (as :func:`unpack_int4_checkpoint` gives them); both
+    GEMM inputs quantized per row like INT8. Returns fp32 [T, K]."""
+    q, s = quantize_rows_int8(x.float())
+    h = int4_linear(q, s, w1, z1, s1)
+    if b1 is not None:
+        h = h + b1.float()
+    a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
+    a = a.to(x.dtype).float()
+    q2, sa2 = quantize_rows_int8(a)
+    y = int4_linear(q2, sa2, w2, z2, s2)
+    if b2 is not None:
+        y = y + b2.float()
+    return y
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -140,13 +260,17 @@ def fused_experts(
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     block_size: Optional[list] = None,
+    w1_zero: Optional[torch.Tensor] = None,
+    w2_zero: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference of `fused_experts_cpu` with unpacked weights.
 
     hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N] (16-bit for method 0,
     int8 with per output channel scales w1_scale [E, 2N(, 1)], w2_scale [E, K(, 1)] for
     method 1; float8_e4m3fn with block scales and ``block_size=[block_n, block_k]`` for
-    method 2); topk_weights and topk_ids [M, topk]; an id of -1 skips its slot.
+    method 2; 4-bit nibbles with zero points ``w*_zero`` and scales ``w*_scale`` of shape
+    [E, OC, G], as :func:`unpack_int4_checkpoint` returns them, for method 3); topk_weights
+    and topk_ids [M, topk]; an id of -1 skips its slot.
     Returns [M, K] in the dtype of hidden_states.
     """
     if moe_comp_method == 2:  # FP8: fp32 GEMMs on the dequantized weights
@@ -163,7 +287,10 @@ def fused_experts(
         rows, slots = (ids == e).nonzero(as_tuple=True)
         b1 = None if w1_bias is None else w1_bias[e]
         b2 = None if w2_bias is None else w2_bias[e]
-        if moe_comp_method == 1:
+        if moe_comp_method == 3:
+            y = expert_mlp_int4(hidden_states[rows], w1[e], w1_zero[e], w1_scale[e], w2[e],
+                                w2_zero[e], w2_scale[e], b1, b2, alpha, limit)
+        elif moe_comp_method == 1:
             y = expert_mlp_int8(hidden_states[rows], w1[e], w1_scale[e], w2[e], w2_scale[e],
                                 b1, b2, alpha, limit)
         else:

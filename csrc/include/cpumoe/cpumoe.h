@@ -107,6 +107,15 @@ typedef struct cpumoe_moe_problem {
   const float *w2_scale;
   int64_t block_n, block_k; /* FP8_W8A16: block_n >= 1, block_k >= 2 and even */
 
+  /* INT4_W4A8 (AWQ/GPTQ, packed by cpumoe_pack_int4; docs/FORMATS.md): w1 is
+   * [E, 2N/32, K/bk1, 16*bk1 + 128] bytes with bk1 = min(w1_group, 128), w2 likewise over N;
+   * w1_scale fp32 and w1_zero int8 are [E, 2N/32, K/w1_group, 32] (w2: [E, K/32,
+   * N/w2_group, 32]). Real weight = (nibble - zero) * scale. Group sizes: multiples of 4
+   * up to 128, or multiples of 128; they must divide the reduction. */
+  const int8_t *w1_zero;
+  const int8_t *w2_zero;
+  int64_t w1_group, w2_group;
+
   /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
    * topk_weights NULL means every weight is 1. */
   const void *topk_ids; /* [M, topk] I32 or I64; -1 = skip the slot */
@@ -148,6 +157,31 @@ cpumoe_status cpumoe_pack_vnni2_8bit(const uint8_t *src, uint8_t *dst, int64_t e
  * cols % 32 == 0, cols <= 65536. */
 cpumoe_status cpumoe_pack_vnni4_int8(const int8_t *src, int8_t *dst, int64_t experts, int64_t rows,
                                      int64_t cols, const cpumoe_runner *runner);
+
+/* INT4 W4A8 packer (SGLang's convert_weight_packed_scale_zp) for AWQ or GPTQ checkpoints.
+ * Per expert, with OC output and IC input features and G groups along IC (group = IC / G):
+ *   AWQ  (method 0): qweight int32 [IC][OC/8], column j of each 8 in nibble [0,4,1,5,2,6,3,7][j];
+ *                    qzeros int32 [G][OC/8], same nibble order; zero = nibble.
+ *   GPTQ (method 1): qweight int32 [IC/8][OC], k = 8 row + nibble index;
+ *                    qzeros int32 [G][OC/8], column 8 c + nibble index; zero = nibble + 1.
+ *   scales [G][OC] in `scales_dtype` (BF16, F16 or F32).
+ * Outputs (docs/FORMATS.md): packed [OC/32][IC/bk][16*bk + 128] bytes with bk = min(group,
+ * 128): nibble pairs of columns (n, n + 8) in VNNI-4 order, then int32 comp[32] = sum over
+ * the block's k of (w - zero); zeros int8 [OC/32][G][32]; scales fp32 [OC/32][G][32].
+ * Requirements: OC % 32 == 0, IC % G == 0, group a multiple of 4 that is <= 128 or a
+ * multiple of 128. */
+typedef enum cpumoe_int4_format {
+  CPUMOE_INT4_AWQ = 0,
+  CPUMOE_INT4_GPTQ = 1,
+} cpumoe_int4_format;
+cpumoe_status cpumoe_pack_int4(cpumoe_int4_format format, const int32_t *qweight,
+                               const int32_t *qzeros, const void *scales, cpumoe_dtype scales_dtype,
+                               int64_t experts, int64_t out_features, int64_t in_features,
+                               int64_t groups, uint8_t *packed, int8_t *packed_zeros,
+                               float *packed_scales, const cpumoe_runner *runner);
+/* k per packed INT4 block for a group size: min(group, 128); 0 if the group size is not
+ * supported (see above). A packed block is 16 * bk + 128 bytes. */
+int64_t cpumoe_int4_block_k(int64_t group);
 
 /* ---- ISA ------------------------------------------------------------------------*/
 cpumoe_isa cpumoe_active_isa(void);          /* tier the ops use */

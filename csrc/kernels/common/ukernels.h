@@ -59,6 +59,29 @@ typedef void (*cm_fp8_to_f32_fn)(size_t kc, const uint8_t *b, const float *scale
 typedef void (*cm_gemm_f32b_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
                                 const float *b, float *c, int accumulate);
 
+/* INT4 W4A8: one 32-column tile of packed weights (layout: common/int4.h). */
+typedef struct cm_int4_tile {
+  const uint8_t *blocks; /* [k_blocks][16 bk + 128] the tile's packed blocks */
+  const int8_t *zeros;   /* [groups][32] zero points */
+  const float *scales;   /* [groups][32] */
+  size_t bk;             /* k per block */
+  size_t group_blocks;   /* blocks per group: block b uses group b / group_blocks */
+} cm_int4_tile;
+/* INT4 decode path, weights decoded in registers. For each block b of [kb0, kb0 + nb), in
+ * order, with A u8 [nb bk/4][a_stride][4] starting at block kb0:
+ *   s[r][n] = sum_{k in b} A[r][k] (w[k][n] - zero[n]) - 128 comp_b[n]     exact int32
+ *   C[r][n] = fmaf((float)s[r][n], scale[n], C[r][n])      C starts at +0 unless accumulate
+ * (the activations are stored as q + 128, so s = sum q (w - zero)). mr <= 4. */
+typedef void (*cm_gemm_int4_fn)(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
+                                const uint8_t *a_panel, size_t a_stride, float *c, int accumulate);
+/* INT4 prefill path: dst s8 VNNI-4 [nb][bk/4][32][4] = w - zero of blocks [kb0, kb0 + nb),
+ * decoded once and reused by every panel through gemm_u8s8, then per block ... */
+typedef void (*cm_int4_unpack_fn)(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst);
+/* ... C[r][n] = fmaf((float)(acc[r][n] - 128 comp[n]), scale[n], accumulate ? C[r][n] : +0),
+ * comp = the int32[32] after the block's nibbles: the same operations as cm_gemm_int4_fn. */
+typedef void (*cm_int4_dequant_fn)(size_t mr, const int32_t *acc, const uint8_t *comp,
+                                   const float *scale, float *c, int accumulate);
+
 /* out[i] = silu(gate[i]) * up[i] */
 typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
@@ -96,6 +119,9 @@ typedef struct cm_ukernels {
   cm_gemm_fp8_fn gemm_fp8; /* FP8 W8A16 */
   cm_fp8_to_f32_fn fp8_to_f32;
   cm_gemm_f32b_fn gemm_f32b;
+  cm_gemm_int4_fn gemm_int4; /* INT4 W4A8; NULL: the tier always unpacks */
+  cm_int4_unpack_fn int4_unpack;
+  cm_int4_dequant_fn int4_dequant;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
   /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
@@ -132,6 +158,9 @@ const cm_ukernels *cm_active_ukernels(void);
   void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,     \
                                         float *, int);                                            \
   double cm_probe_int8_loop__##tier(int64_t);                                                     \
+  void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                    \
+  void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *,     \
+                                     float *, int);                                               \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
                                          float *);                                                \
   void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
@@ -142,5 +171,7 @@ const cm_ukernels *cm_active_ukernels(void);
 CM_DECLARE_ELEMENTWISE(scalar)
 CM_DECLARE_ELEMENTWISE(avx2)
 CM_DECLARE_ELEMENTWISE(avx512)
+void cm_int4_gemm_f32acc_mrx32__avx512(size_t, const cm_int4_tile *, size_t, size_t,
+                                       const uint8_t *, size_t, float *, int);
 
 #endif /* CPUMOE_COMMON_UKERNELS_H */

@@ -16,7 +16,7 @@
 #include "common/ukernels.h"
 #include "dispatch/cpuinfo.h"
 
-#define CM_TABLE(tier, tier_enum, mr_rows)            \
+#define CM_TABLE(tier, tier_enum, mr_rows, int4_gemm) \
   {                                                   \
       .isa = tier_enum,                               \
       .mr = mr_rows,                                  \
@@ -40,15 +40,20 @@
       .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,   \
       .fp8_to_f32 = cm_fp8_to_f32__##tier,            \
       .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,  \
+      .gemm_int4 = int4_gemm,                         \
+      .int4_unpack = cm_int4_unpack__##tier,          \
+      .int4_dequant = cm_int4_dequant_mrx32__##tier,  \
       .absmax = cm_absmax__##tier,                    \
       .quantize_u8 = cm_quantize_u8__##tier,          \
   }
 
-/* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). */
+/* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). Only avx512
+ * decodes INT4 in registers; the other tiers take the unpack path for every block. */
 static const cm_ukernels cm_tables[CPUMOE_ISA_COUNT] = {
-    [CPUMOE_ISA_SCALAR] = CM_TABLE(scalar, CPUMOE_ISA_SCALAR, 4),
-    [CPUMOE_ISA_AVX2] = CM_TABLE(avx2, CPUMOE_ISA_AVX2, 4),
-    [CPUMOE_ISA_AVX512] = CM_TABLE(avx512, CPUMOE_ISA_AVX512, 12),
+    [CPUMOE_ISA_SCALAR] = CM_TABLE(scalar, CPUMOE_ISA_SCALAR, 4, NULL),
+    [CPUMOE_ISA_AVX2] = CM_TABLE(avx2, CPUMOE_ISA_AVX2, 4, NULL),
+    [CPUMOE_ISA_AVX512] =
+        CM_TABLE(avx512, CPUMOE_ISA_AVX512, 12, cm_int4_gemm_f32acc_mrx32__avx512),
 };
 
 static const char *const cm_isa_names[CPUMOE_ISA_COUNT] = {"scalar", "avx2", "avx512"};

@@ -33,18 +33,21 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/int4.h"
 #include "common/numeric.h"
 #include "common/parallel.h"
 #include "common/ukernels.h"
 
 #define CM_CHUNK_TOKENS 1024
-#define CM_PANELS_PER_BLOCK 4    /* up to 4 x 12 rows share one pass over a weight tile */
-#define CM_REDUCE_COLS 512       /* columns summed per step of the reduce stage */
-#define CM_INT8_KC 256           /* reduction chunk of the INT8 block GEMM: 8 KiB of weights */
-#define CM_FP8_KC 256            /* reduction chunk of the FP8 block GEMM: 32 KiB decoded */
-#define CM_FP8_DECODE_MAX_ROWS 4 /* blocks up to this many rows decode weights in registers */
-#define CM_PACK_COLS 64          /* columns widened per step when packing A panels */
-#define CM_INT8_MIN_AMAX 1e-7f   /* floor of a row's absmax before quantizing (all-zero rows) */
+#define CM_PANELS_PER_BLOCK 4     /* up to 4 x 12 rows share one pass over a weight tile */
+#define CM_REDUCE_COLS 512        /* columns summed per step of the reduce stage */
+#define CM_INT8_KC 256            /* reduction chunk of the INT8 block GEMM: 8 KiB of weights */
+#define CM_FP8_KC 256             /* reduction chunk of the FP8 block GEMM: 32 KiB decoded */
+#define CM_FP8_DECODE_MAX_ROWS 4  /* blocks up to this many rows decode weights in registers */
+#define CM_INT4_KC 256            /* reduction chunk unpacked at once by INT4 prefill: 8 KiB */
+#define CM_INT4_DECODE_MAX_ROWS 4 /* blocks up to this many rows expand nibbles in registers */
+#define CM_PACK_COLS 64           /* columns widened per step when packing A panels */
+#define CM_INT8_MIN_AMAX 1e-7f    /* floor of a row's absmax before quantizing (all-zero rows) */
 
 typedef struct cm_panel {
   int32_t expert;
@@ -92,9 +95,9 @@ static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
   l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
-  /* INT8 rows quantized once per token (xq, xs) and once per mid row (midq); A panels
+  /* INT8/INT4 rows quantized once per token (xq, xs) and once per mid row (midq); A panels
    * hold at most 4 bytes per element (fp32), scales one float per row */
-  const int int8 = p->scheme == CPUMOE_SCHEME_INT8_W8A8;
+  const int int8 = p->scheme == CPUMOE_SCHEME_INT8_W8A8 || p->scheme == CPUMOE_SCHEME_INT4_W4A8;
   l.xq = at, at = align64(at + (int8 ? (size_t)(chunk * p->K) : 0));
   l.xs = at, at = align64(at + (int8 ? sizeof(float) * (size_t)chunk : 0));
   l.midq = at, at = align64(at + (int8 ? (size_t)(l.slots * p->N) : 0));
@@ -116,7 +119,7 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
                    "K, N, E and topk must be positive (K=%lld N=%lld E=%lld topk=%lld)",
                    (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk);
   if (p->scheme != CPUMOE_SCHEME_UNQUANT && p->scheme != CPUMOE_SCHEME_INT8_W8A8 &&
-      p->scheme != CPUMOE_SCHEME_FP8_W8A16)
+      p->scheme != CPUMOE_SCHEME_FP8_W8A16 && p->scheme != CPUMOE_SCHEME_INT4_W4A8)
     return cm_fail(CPUMOE_EUNSUPPORTED, "moe_comp_method %d is not implemented in this build",
                    (int)p->scheme);
   if (p->scheme == CPUMOE_SCHEME_FP8_W8A16) {
@@ -135,6 +138,18 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
       return cm_fail(CPUMOE_EUNSUPPORTED,
                      "INT8 W8A8 sums K=%lld and N=%lld products exactly in int32 only up to %d",
                      (long long)p->K, (long long)p->N, CM_INT8_MAX_REDUCTION);
+  }
+  if (p->scheme == CPUMOE_SCHEME_INT4_W4A8) {
+    if (!p->w1_scale || !p->w2_scale || !p->w1_zero || !p->w2_zero)
+      return cm_fail(CPUMOE_EINVAL, "INT4 W4A8 needs w1_scale, w2_scale, w1_zero and w2_zero");
+    if (cm_int4_block_k_of_group(p->w1_group) == 0 || p->K % p->w1_group != 0 ||
+        cm_int4_block_k_of_group(p->w2_group) == 0 || p->N % p->w2_group != 0)
+      return cm_fail(CPUMOE_EUNSUPPORTED,
+                     "INT4 W4A8 group sizes %lld (w1, over K=%lld) and %lld (w2, over N=%lld) "
+                     "must divide their reductions and be multiples of 4 that are <= 128 or "
+                     "multiples of 128",
+                     (long long)p->w1_group, (long long)p->K, (long long)p->w2_group,
+                     (long long)p->N);
   }
   if (p->act_dtype != CPUMOE_DTYPE_BF16 && p->act_dtype != CPUMOE_DTYPE_F16)
     return cm_fail(CPUMOE_EINVAL, "activations must be bf16 or fp16");
@@ -423,6 +438,77 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
 
 static const cm_scheme_impl cm_scheme_fp8 = {NULL, pack_panel_f32, gemm_block_fp8};
 
+/* ---- INT4 W4A8: u8 panels as for INT8; nibble weights with group zero points and scales ---- */
+
+/* The 32 weight rows [row0, row0 + 32) of the stage's matrix for one expert. */
+static cm_int4_tile int4_tile(const cm_run *r, int stage, int64_t expert, int64_t row0) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t red = stage_reduction(r, stage);
+  const int64_t group = stage == 1 ? p->w1_group : p->w2_group;
+  const int64_t bk = cm_int4_block_k_of_group(group);
+  const int64_t tile = expert * ((stage == 1 ? 2 * p->N : p->K) / CM_NR) + row0 / CM_NR;
+  const int64_t k_blocks = red / bk, groups = red / group;
+  const uint8_t *w = (const uint8_t *)(stage == 1 ? p->w1 : p->w2);
+  return (cm_int4_tile){
+      .blocks = w + (size_t)(tile * k_blocks) * cm_int4_block_bytes((size_t)bk),
+      .zeros = (stage == 1 ? p->w1_zero : p->w2_zero) + (size_t)(tile * groups * CM_NR),
+      .scales = (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(tile * groups * CM_NR),
+      .bk = (size_t)bk,
+      .group_blocks = (size_t)(group / bk),
+  };
+}
+
+/* Few rows: nibbles expand in registers (decode: the weights are read once). More rows:
+ * each chunk of blocks is unpacked once into an L1-resident s8 tile that every panel runs
+ * the u8 x s8 GEMM on. Both give the same bits (exact block sums, one fmaf per block). The
+ * per-row activation scale multiplies the finished tile. */
+static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                            float *c) {
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const cm_int4_tile w = int4_tile(r, stage, expert, row0);
+  const size_t bk = w.bk, k_blocks = (size_t)stage_reduction(r, stage) / bk;
+  const uint8_t *panels = (const uint8_t *)r->a[stage - 1];
+  const size_t red = (size_t)stage_reduction(r, stage);
+  if (r->uk->gemm_int4 && block_rows(r, blk) <= CM_INT4_DECODE_MAX_ROWS) {
+    float *cq = c;
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const cm_panel *pn = &r->panels[blk->first_panel + q];
+      r->uk->gemm_int4((size_t)pn->rows, &w, 0, k_blocks, panels + (size_t)pn->first * red,
+                       (size_t)pn->rows, cq, 0);
+      cq += (size_t)pn->rows * CM_NR;
+    }
+  } else {
+    int8_t unpacked[CM_INT4_KC * CM_NR];
+    int32_t acc[CM_MR_MAX * CM_NR];
+    const size_t chunk = bk < CM_INT4_KC ? CM_INT4_KC / bk : 1;
+    for (size_t kb0 = 0; kb0 < k_blocks; kb0 += chunk) {
+      const size_t nb = k_blocks - kb0 < chunk ? k_blocks - kb0 : chunk;
+      r->uk->int4_unpack(&w, kb0, nb, unpacked);
+      float *cq = c;
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        const size_t rows = (size_t)pn->rows;
+        for (size_t b = 0; b < nb; b++) {
+          const size_t kb = kb0 + b;
+          r->uk->gemm_u8s8(rows, bk, panels + (size_t)pn->first * red + kb * bk * rows, rows,
+                           unpacked + b * bk * CM_NR, acc, 0);
+          r->uk->int4_dequant(rows, acc, w.blocks + kb * cm_int4_block_bytes(bk) + 16 * bk,
+                              w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);
+        }
+        cq += rows * CM_NR;
+      }
+    }
+  }
+  float *cq = c;
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    for (int32_t i = 0; i < pn->rows; i++, cq += CM_NR)
+      r->uk->bias_scale(CM_NR, cq, NULL, r->a_scale[stage - 1][pn->first + i], cq);
+  }
+}
+
+static const cm_scheme_impl cm_scheme_int4 = {prepare_token_int8, pack_panel_u8, gemm_block_int4};
+
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
                         cm_panel *panels, cm_block *blocks) {
@@ -575,6 +661,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
       .uk = uk,
       .impl = p->scheme == CPUMOE_SCHEME_INT8_W8A8   ? &cm_scheme_int8
               : p->scheme == CPUMOE_SCHEME_FP8_W8A16 ? &cm_scheme_fp8
+              : p->scheme == CPUMOE_SCHEME_INT4_W4A8 ? &cm_scheme_int4
                                                      : &cm_scheme_16bit,
       .widen = bf16 ? uk->widen_bf16 : uk->widen_f16,
       .narrow = bf16 ? uk->narrow_bf16 : uk->narrow_f16,

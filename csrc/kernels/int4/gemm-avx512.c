@@ -1,0 +1,165 @@
+/*
+ * AVX-512 VNNI micro-kernels for INT4 W4A8 (contracts: common/ukernels.h, layout:
+ * common/int4.h): the decode-path GEMM that expands nibbles in registers, the unpacking of
+ * blocks into s8 VNNI-4 tiles for the prefill path, and the per-block fold into fp32.
+ *
+ *   A panel: u8 [k/4][a_stride][4] (activations q + 128, one dword = 4 k of a row).
+ *   B:       per k-quad one 64-byte vector v; (v & 15) holds columns 0-7 and 16-23 as
+ *            s8 dwords after subtracting their zero points, ((v >> 4) & 15) columns 8-15 and
+ *            24-31. vpdpbusd takes them as they are: the accumulators just carry the
+ *            columns in that lane order ("lo" = 0-7|16-23, "hi" = 8-15|24-31), and the C
+ *            tile is permuted to and from natural order once per call (vshuff32x4).
+ *   Exactness: |w - zero| <= 16, so a block of bk <= 128 sums to at most 128*255*16 in
+ *            int32, and the fp32 conversion of the block sum is exact (< 2^24).
+ *
+ * Decode tile mr x 32 with mr <= 4 and why: per k-quad the expansion costs and, shift,
+ * and, two subtracts (5 uops for 64 weight bytes); each row adds 2 vpdpbusd and a
+ * broadcast. Accumulators: 2 int32 + 2 fp32 per row, 16 zmm at mr = 4, plus the nibble
+ * mask, 2 zero-point vectors and temporaries: under 32 zmm, no spills. At mr = 1 the loop
+ * moves 64 bytes of weights per ~8 uops, far below the two vector ports' budget, so decode
+ * is limited by memory bandwidth. Larger blocks of rows take the unpack path.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "common/int4.h"
+#include "common/tile-avx2.h" /* CM_MR_SWITCH4 */
+#include "common/ukernels.h"
+
+#define MR_DECODE 4
+/* bytes of packed weights requested ahead of the decode loop: past the L2 streamer's
+ * page boundary stops, one 128-k block ahead */
+#define CM_INT4_PREFETCH_BYTES 2048
+
+static inline __attribute__((always_inline)) __m512i broadcast_dword(const uint8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+/* natural 32 columns (c0: 0-15, c1: 16-31) <-> lane order (lo: 0-7|16-23, hi: 8-15|24-31);
+ * the same 128-bit lane selection does both directions */
+#define CM_SELECT_LOW_HALVES 0x44  /* lanes 0,1 of a then 0,1 of b */
+#define CM_SELECT_HIGH_HALVES 0xEE /* lanes 2,3 of a then 2,3 of b */
+
+/* zero points of the lo and hi lane orders, each byte repeated over its dword */
+static inline __attribute__((always_inline)) void zero_lanes(const int8_t *zero, __m512i *lo,
+                                                             __m512i *hi) {
+  const __m128i z0 = _mm_loadu_si128((const __m128i *)zero);
+  const __m128i z1 = _mm_loadu_si128((const __m128i *)(zero + 16));
+  const __m512i spread = _mm512_set1_epi32(0x01010101);
+  *lo = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(z0, z1)), spread);
+  *hi = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1)), spread);
+}
+
+/* w - zero of one packed k-quad, in lo and hi lane order */
+static inline __attribute__((always_inline)) void expand_quad(const uint8_t *quad, __m512i zlo,
+                                                              __m512i zhi, __m512i *lo,
+                                                              __m512i *hi) {
+  const __m512i low_nibbles = _mm512_set1_epi8(15);
+  const __m512i v = _mm512_loadu_si512(quad);
+  *lo = _mm512_sub_epi8(_mm512_and_si512(v, low_nibbles), zlo);
+  *hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles), zhi);
+}
+
+static inline __attribute__((always_inline)) void gemm_body(const int mr, const cm_int4_tile *w,
+                                                            size_t kb0, size_t nb,
+                                                            const uint8_t *restrict a, size_t as,
+                                                            float *restrict c, int accumulate) {
+  const size_t bk = w->bk, block_bytes = cm_int4_block_bytes(bk);
+  __m512 c_lo[MR_DECODE], c_hi[MR_DECODE];
+  __m512i acc_lo[MR_DECODE], acc_hi[MR_DECODE];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    const __m512 c0 = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
+    const __m512 c1 = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
+    c_lo[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_LOW_HALVES);
+    c_hi[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_HIGH_HALVES);
+  }
+  for (size_t b = 0; b < nb; b++) {
+    const size_t kb = kb0 + b, group = kb / w->group_blocks;
+    const uint8_t *block = w->blocks + kb * block_bytes;
+    __m512i zlo, zhi;
+    zero_lanes(w->zeros + group * CM_NR, &zlo, &zhi);
+    /* start from -128 comp: the u8 activations carry +128 */
+    const __m512i comp0 = _mm512_loadu_si512(block + 16 * bk);
+    const __m512i comp1 = _mm512_loadu_si512(block + 16 * bk + 64);
+    const __m512i start_lo = _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_slli_epi32(_mm512_shuffle_i64x2(comp0, comp1, CM_SELECT_LOW_HALVES), 7));
+    const __m512i start_hi = _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_slli_epi32(_mm512_shuffle_i64x2(comp0, comp1, CM_SELECT_HIGH_HALVES), 7));
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) acc_lo[r] = start_lo, acc_hi[r] = start_hi;
+    const uint8_t *ab = a + b * bk * as;
+    for (size_t kq = 0; kq < bk / 4; kq++) {
+      _mm_prefetch((const char *)(block + kq * 64 + CM_INT4_PREFETCH_BYTES), _MM_HINT_T0);
+      __m512i wlo, whi;
+      expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
+      const uint8_t *ak = ab + kq * as * 4;
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
+        const __m512i x = broadcast_dword(ak + 4 * r);
+        acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], x, wlo);
+        acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], x, whi);
+      }
+    }
+    const float *scale = w->scales + group * CM_NR;
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    const __m512 s_lo = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_LOW_HALVES);
+    const __m512 s_hi = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_HIGH_HALVES);
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      c_lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[r]), s_lo, c_lo[r]);
+      c_hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_hi[r]), s_hi, c_hi[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    _mm512_storeu_ps(c + r * CM_NR, _mm512_shuffle_f32x4(c_lo[r], c_hi[r], CM_SELECT_LOW_HALVES));
+    _mm512_storeu_ps(c + r * CM_NR + 16,
+                     _mm512_shuffle_f32x4(c_lo[r], c_hi[r], CM_SELECT_HIGH_HALVES));
+  }
+}
+
+void cm_int4_gemm_f32acc_mrx32__avx512(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
+                                       const uint8_t *a, size_t as, float *c, int accumulate) {
+  CM_MR_SWITCH4(gemm_body, w, kb0, nb, a, as, c, accumulate)
+}
+
+void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {
+  const size_t bk = w->bk;
+  for (size_t b = 0; b < nb; b++) {
+    const size_t kb = kb0 + b;
+    const uint8_t *block = w->blocks + kb * cm_int4_block_bytes(bk);
+    __m512i zlo, zhi;
+    zero_lanes(w->zeros + (kb / w->group_blocks) * CM_NR, &zlo, &zhi);
+    int8_t *out = dst + b * bk * CM_NR;
+    for (size_t kq = 0; kq < bk / 4; kq++) {
+      _mm_prefetch((const char *)(block + kq * 64 + CM_INT4_PREFETCH_BYTES), _MM_HINT_T0);
+      __m512i wlo, whi;
+      expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
+      _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
+      _mm512_storeu_si512(out + kq * 128 + 64,
+                          _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_HIGH_HALVES));
+    }
+  }
+}
+
+void cm_int4_dequant_mrx32__avx512(size_t mr, const int32_t *restrict acc, const uint8_t *comp,
+                                   const float *restrict scale, float *restrict c, int accumulate) {
+  const __m512i comp0 = _mm512_slli_epi32(_mm512_loadu_si512(comp), 7);
+  const __m512i comp1 = _mm512_slli_epi32(_mm512_loadu_si512(comp + 64), 7);
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  for (size_t r = 0; r < mr; r++) {
+    const __m512i t0 = _mm512_loadu_si512(acc + r * CM_NR);
+    const __m512i t1 = _mm512_loadu_si512(acc + r * CM_NR + 16);
+    const __m512 p0 = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
+    const __m512 p1 = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
+    _mm512_storeu_ps(c + r * CM_NR,
+                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t0, comp0)), s0, p0));
+    _mm512_storeu_ps(c + r * CM_NR + 16,
+                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t1, comp1)), s1, p1));
+  }
+}
