@@ -412,13 +412,14 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
   const int convert = block_rows(r, blk) > CM_FP8_DECODE_MAX_ROWS;
   float col_scale[CM_NR];
   float decoded[CM_FP8_KC * CM_NR];
+  const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
+  for (int j = 0; j < CM_NR; j++) scale_row[j] = scales + ((row0 + j) / p->block_n) * k_blocks;
   for (int64_t k0 = 0; k0 < red;) {
     const int64_t kb = k0 / p->block_k;
     int64_t kc = (kb + 1) * p->block_k - k0; /* to the end of this K block ... */
     if (kc > CM_FP8_KC) kc = CM_FP8_KC;      /* ... in chunks that fit L1 */
     if (kc > red - k0) kc = red - k0;
-    for (int j = 0; j < CM_NR; j++)
-      col_scale[j] = scales[((row0 + j) / p->block_n) * k_blocks + kb];
+    for (int j = 0; j < CM_NR; j++) col_scale[j] = scale_row[j][kb];
     if (convert) r->uk->fp8_to_f32((size_t)kc, w + k0 * CM_NR, col_scale, decoded);
     float *cq = c;
     for (int32_t q = 0; q < blk->panels; q++) {
