@@ -120,11 +120,11 @@ def _no_subnormal(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(sub, codes & 0x80, codes)
 
 
-# The avx512 tier decodes a k pair (32 columns x 2 k) by a fast route when it holds no NaN
-# and no subnormal code and the column scales are < 2^8, else by the fp16 route; both must
-# give the same value. "all" codes: every pair of the code tests holds a subnormal code
-# (fp16 route, or a mix of routes); "normal": subnormals replaced by zeros, so every pair
-# takes the fast route.
+# The avx512 tier decodes a K block by a fast route (fp16 bits made in place) unless the
+# block holds a NaN code (then the widening exact route); both must give the same value,
+# subnormal codes included. "all" codes: every pair of the code tests holds a subnormal
+# code; "normal": subnormals replaced by zeros (kept: the earlier fast route treated
+# subnormals apart, and a future one might).
 CODE_SETS = ["all", "normal"]
 
 
@@ -333,10 +333,10 @@ SCALES = [2.0 ** -149, 2.0 ** -140, 2.0 ** -126, 2.0 ** -100, 2.0 ** 7, 255.75, 
 @pytest.mark.parametrize("scale", SCALES, ids=lambda v: f"{v:g}")
 def test_extreme_scales(isa, scale, weights):
     """Block scales from the smallest fp32 denormal to 2^119, and negative, are used
-    exactly: the weight is e4m3 * scale rounded once (the kernels fold powers of two into
-    the scale: 2^8 on the fp16 route, 2^120 on avx512's fast route for scales < 2^8).
-    "normal": no subnormal code (avx512's fast route where the scale allows), "all":
-    random non-NaN bytes. Activations compensate so every value stays finite."""
+    exactly in the kernels' order (each K block's sum times its scale, fp8_block_linear;
+    the decoded values carry 2^-8, restored once at the end, never folded into the scale).
+    "normal": no subnormal code, "all": random non-NaN bytes. Activations compensate so
+    every value stays finite."""
     dtype = torch.bfloat16
     M, E, N, K, block = 5, 1, 32, 64, (32, 32)
     exponent = int(torch.tensor(abs(scale)).log2().floor())
@@ -358,11 +358,11 @@ def test_extreme_scales(isa, scale, weights):
 
 
 def test_huge_scale_with_zero_weight():
-    """A block scale >= 2^120 is a finite fp32 like any other: w = e4m3 * scale, rounded
-    once (0 for a zero weight). Reproducer of a kernel defect: the kernels multiply the
-    decoded value (times 2^-8) by scale * 2^8, which overflows to inf for scale >= 2^120;
-    a zero weight then gives 0 * inf = NaN and a nonzero one +-inf, on every tier
-    (avx512's fast route only serves scales < 2^8; larger ones take the fp16 route)."""
+    """A block scale >= 2^120 is a finite fp32 like any other (0 for a zero weight).
+    Reproducer of an earlier kernel defect: the kernels multiplied the decoded value (times
+    2^-8) by scale * 2^8, which overflows to inf for scale >= 2^120; a zero weight then gave
+    0 * inf = NaN and a nonzero one +-inf, on every tier. The 2^8 is now restored on the
+    finished output, never folded into a scale."""
     E, N, K, M, block = 1, 32, 32, 1, (64, 32)
     x = torch.full((M, K), 2.0 ** -125).to(torch.bfloat16)
     w1 = torch.ones(E, 2 * N, K).to(FP8_DTYPE)

@@ -116,10 +116,12 @@ def expert_mlp_int8(
 
 def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block_n: int,
                           block_k: int) -> torch.Tensor:
-    """FP8 W8A16 weights as the kernels use them: ``w`` float8_e4m3fn [..., OC, IC] decoded
+    """FP8 W8A16 weights as they are meant: ``w`` float8_e4m3fn [..., OC, IC] decoded
     exactly (torch's conversion; zero and subnormals included) times its block's scale
     ``scale [..., ceil(OC/block_n), ceil(IC/block_k)]`` (multiplied, DeepSeek's
-    ``weight_scale_inv``), rounded once to fp32."""
+    ``weight_scale_inv``), rounded once to fp32. (The kernels apply the scale to each K
+    block's fp32 sum instead of to each weight; tests/cpumoe_testing.py fp8_block_linear
+    is that exact order.)"""
     oc, ic = w.shape[-2:]
     s = scale.float().repeat_interleave(block_n, -2)[..., :oc, :]
     s = s.repeat_interleave(block_k, -1)[..., :ic]

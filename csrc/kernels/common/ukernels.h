@@ -47,17 +47,27 @@ typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, si
 typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *comp,
                                    const float *a_scale, const float *w_scale, float *c);
 
-/* FP8 W8A16, decode path: C[mr][32] (+)= A_panel fp32 [kc][a_stride] x W, where
- *   W[k][n] = e4m3(B[k][n]) * scale[n] (exact decoding, one rounding), B fp8 VNNI-2
- *   [kc/2][32][2], scale the column's block scale (a chunk never spans two K blocks). `accumulate`
- * = 0 starts from +0; chunks continue each FMA chain in k order. */
+/* FP8 W8A16. A K block (block_k reduction steps sharing one scale per column) is summed
+ * unscaled, then folded in with its scale, as SGLang's decode path does:
+ *   P[r][n] = fp32 FMA chain over the block's k, from +0, of A[r][k] * d[k][n],
+ *             d = e4m3(B[k][n]) * 2^-8 (exact: every e4m3 value times 2^-8 is an fp16 number)
+ *   C[r][n] = fmaf(P[r][n], scale[n], C[r][n])           (C from +0 at the first block)
+ * so C holds the result times 2^-8; the pipeline multiplies the finished tile by 256
+ * (exact). Keeping the 2^-8 in C, not in the scale, keeps every finite scale usable.
+ * Decode path: one call per K block (or the part of it inside the reduction), B fp8 VNNI-2
+ * [kc/2][32][2], scale the columns' block scales; `accumulate` = 0 starts C from +0. */
 typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
                                const uint8_t *b, const float *scale, float *c, int accumulate);
-/* FP8 prefill path: dst fp32 [kc][32] = W of the chunk (as above), decoded once ... */
-typedef void (*cm_fp8_to_f32_fn)(size_t kc, const uint8_t *b, const float *scale, float *dst);
-/* ... then C[mr][32] (+)= A_panel [kc][a_stride] x B fp32 [kc][32]: the same FMA chains. */
+/* FP8 prefill path: dst fp32 [kc][32] = d of a chunk (a chunk never spans two K blocks),
+ * decoded once ... */
+typedef void (*cm_fp8_to_f32_fn)(size_t kc, const uint8_t *b, float *dst);
+/* ... then P[mr][32] (+)= A_panel [kc][a_stride] x B fp32 [kc][32] over the block's chunks
+ * (the same FMA chains), ... */
 typedef void (*cm_gemm_f32b_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
                                 const float *b, float *c, int accumulate);
+/* ... and at the block's end C[r][n] = fmaf(P[r][n], scale[n], accumulate ? C : +0). */
+typedef void (*cm_fp8_fold_fn)(size_t mr, const float *p, const float *scale, float *c,
+                               int accumulate);
 
 /* INT4 W4A8: one 32-column tile of packed weights (layout: common/int4.h). */
 typedef struct cm_int4_tile {
@@ -119,6 +129,7 @@ typedef struct cm_ukernels {
   cm_gemm_fp8_fn gemm_fp8; /* FP8 W8A16 */
   cm_fp8_to_f32_fn fp8_to_f32;
   cm_gemm_f32b_fn gemm_f32b;
+  cm_fp8_fold_fn fp8_fold;
   cm_gemm_int4_fn gemm_int4; /* INT4 W4A8; NULL: the tier always unpacks */
   cm_int4_unpack_fn int4_unpack;
   cm_int4_dequant_fn int4_dequant;
@@ -154,7 +165,8 @@ const cm_ukernels *cm_active_ukernels(void);
                                      const float *, float *);                                     \
   void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *,   \
                                         const float *, float *, int);                             \
-  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, const float *, float *);                    \
+  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, float *);                                   \
+  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);                   \
   void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,     \
                                         float *, int);                                            \
   double cm_probe_int8_loop__##tier(int64_t);                                                     \

@@ -40,6 +40,7 @@
       .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,   \
       .fp8_to_f32 = cm_fp8_to_f32__##tier,            \
       .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,  \
+      .fp8_fold = cm_fp8_fold__##tier,                \
       .gemm_int4 = int4_gemm,                         \
       .int4_unpack = cm_int4_unpack__##tier,          \
       .int4_dequant = cm_int4_dequant_mrx32__##tier,  \

@@ -87,3 +87,10 @@ void CM_TIERED(cm_bias_scale)(size_t n, const float *restrict c, const float *re
   else
     for (size_t i = 0; i < n; i++) y[i] = c[i] * g;
 }
+
+void CM_TIERED(cm_fp8_fold)(size_t mr, const float *restrict p, const float *restrict scale,
+                            float *restrict c, int accumulate) {
+  for (size_t r = 0; r < mr; r++)
+    for (size_t n = 0; n < CM_NR; n++)
+      c[r * CM_NR + n] = fmaf(p[r * CM_NR + n], scale[n], accumulate ? c[r * CM_NR + n] : 0.0f);
+}

@@ -2,10 +2,11 @@
  * AVX2 + FMA + F16C kernels for FP8 (e4m3fn) W8A16 (see fp8/gemm-avx512.c for the
  * layouts, the exact decoding and the decode/prefill split; contracts: common/ukernels.h).
  *
- * Tiles 4 x 16, two passes for 32 columns (as unquant/gemm-avx2.c): per k pair a 16-byte
- * load holds 8 columns x 2 k, widened to 16 words, moved into fp16 position, split into
- * even/odd k with a byte shuffle and a lane permute, converted by vcvtph2ps.
- * 4 rows x 2 accumulators + 4 decoded B + 2 broadcasts = 14 of 16 ymm.
+ * A K block is summed unscaled (decoded values times 2^-8) and folded in with its scale at
+ * the end (common/ukernels.h). Tiles 4 x 16, two passes for 32 columns (as unquant/gemm-avx2.c):
+ * per k pair a 16-byte load holds 8 columns x 2 k, widened to 16 words, moved into fp16 position,
+ * split into even/odd k with a byte shuffle and a lane permute, converted by vcvtph2ps. 4 rows x 2
+ * accumulators + 4 decoded B + 2 broadcasts = 14 of 16 ymm.
  */
 #include <immintrin.h>
 
@@ -30,27 +31,31 @@ static inline __attribute__((always_inline)) void decode_pair(__m128i bytes, __m
   *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
 }
 
+/* one K block of 16 columns [col0, col0 + 16): P = FMA chains of A x d from +0, then
+ * C = fma(P, scale, C or +0) */
 static inline __attribute__((always_inline)) void gemm_half(
     const int mr, size_t kc, const float *restrict a, size_t as, const uint8_t *restrict b,
     const float *restrict scale, float *restrict c, int accumulate, int col0) {
   __m256 acc0[MR], acc1[MR];
-  cm_tile_load__avx2(mr, acc0, acc1, c, col0, accumulate);
-  const __m256 s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
-  const __m256 k256 = _mm256_set1_ps(256.0f); /* value * 2^-8 -> value, exact */
+  cm_tile_load__avx2(mr, acc0, acc1, c, col0, 0);
   for (size_t kp = 0; kp < kc / 2; kp++) {
     const uint8_t *bk = b + kp * 64 + col0 * 2;
     _mm_prefetch((const char *)(bk + 4096), _MM_HINT_T0);
     __m256 e0, o0, e1, o1;
     decode_pair(_mm_loadu_si128((const __m128i *)bk), &e0, &o0);
     decode_pair(_mm_loadu_si128((const __m128i *)(bk + 16)), &e1, &o1);
-    e0 = _mm256_mul_ps(_mm256_mul_ps(e0, k256), s0),
-    o0 = _mm256_mul_ps(_mm256_mul_ps(o0, k256), s0);
-    e1 = _mm256_mul_ps(_mm256_mul_ps(e1, k256), s1),
-    o1 = _mm256_mul_ps(_mm256_mul_ps(o1, k256), s1);
     cm_tile_fma_k__avx2(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
     cm_tile_fma_k__avx2(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-  cm_tile_store__avx2(mr, acc0, acc1, c, col0);
+  const __m256 s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
+    float *out = c + r * CM_NR + col0;
+    const __m256 c0 = accumulate ? _mm256_loadu_ps(out) : _mm256_setzero_ps();
+    const __m256 c1 = accumulate ? _mm256_loadu_ps(out + 8) : _mm256_setzero_ps();
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(acc0[r], s0, c0));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(acc1[r], s1, c1));
+  }
 }
 
 static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, size_t kc,
@@ -93,13 +98,12 @@ void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t
   CM_MR_SWITCH4(gemm_f32b_body, kc, a, as, b, c, accumulate)
 }
 
-void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, const float *scale, float *dst) {
+void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, float *dst) {
   for (size_t kp = 0; kp < kc / 2; kp++)
     for (int col0 = 0; col0 < CM_NR; col0 += 8) {
       __m256 e, o;
       decode_pair(_mm_loadu_si128((const __m128i *)(b + kp * 64 + col0 * 2)), &e, &o);
-      const __m256 s = _mm256_loadu_ps(scale + col0), k256 = _mm256_set1_ps(256.0f);
-      _mm256_storeu_ps(dst + 2 * kp * CM_NR + col0, _mm256_mul_ps(_mm256_mul_ps(e, k256), s));
-      _mm256_storeu_ps(dst + (2 * kp + 1) * CM_NR + col0, _mm256_mul_ps(_mm256_mul_ps(o, k256), s));
+      _mm256_storeu_ps(dst + 2 * kp * CM_NR + col0, e);
+      _mm256_storeu_ps(dst + (2 * kp + 1) * CM_NR + col0, o);
     }
 }

@@ -1,31 +1,32 @@
 /*
- * AVX-512 kernels for FP8 (e4m3fn) W8A16: weights decoded exactly to fp32 and scaled per
- * 2-D block, fp32 FMA against fp32 activation panels (contracts: common/ukernels.h).
+ * AVX-512 kernels for FP8 (e4m3fn) W8A16: weights decoded exactly, fp32 FMA against fp32
+ * activation panels, scaled per 2-D block (contracts: common/ukernels.h).
  *
- *   A panel: fp32 [kc][a_stride];  C: fp32 [mr][32], one FMA chain per element over k.
+ *   A panel: fp32 [kc][a_stride];  C: fp32 [mr][32].
  *   B:       fp8 VNNI-2 [kc/2][32][2] (docs/FORMATS.md): per k pair 64 bytes, columns
  *            0..15 in bytes 0..31, 16..31 in 32..63; one 16-bit pair = 2 k of one column.
- *   scale:   fp32 [32], the block scale of each column for this chunk (the chunk never
- *            crosses a K block).
+ *   scale:   fp32 [32], each column's scale for this K block.
+ *   Math:    per K block, P = one FMA chain of a * d over the block's k (d = value * 2^-8),
+ *            then C = fma(P, scale, C): no per-weight multiply (SGLang's decode order);
+ *            the pipeline multiplies the finished C by 2^8.
  *
  * Exact decoding: an e4m3 byte s.eeee.mmm moved into fp16 position (s at bit 15, e.m at
  * bits 13..7) is the fp16 number value * 2^-8 exactly, subnormals and zero included
- * (fp16 has 5 exponent bits, so every e4m3 value times 2^-8 is representable); vcvtph2ps
- * widens it exactly and a multiply by 2^8 (exact) restores the value. The NaN code (0x7f/0xff) is
- * forced to an fp16 NaN. So w = fp32(e4m3) * block_scale, rounded once: the scalar tier's bits.
+ * (fp16 has 5 exponent bits, so every e4m3 value times 2^-8 is representable), and
+ * vcvtph2ps widens it exactly. The exact route (decode_pair) widens bytes to 16-bit lanes
+ * and forces the NaN codes (0x7f/0xff) to an fp16 NaN.
  *
- * Fast exact decoding (every chunk without a NaN code): the same fp16 bits are made in
- * place, in the 16-bit lanes that hold a column's (k even, k odd) byte pair: an arithmetic
- * shift right by 1 and a mask give the odd byte's fp16 bits, a shift left by 8 first gives
- * the even byte's (5 integer ops per 64 bytes instead of widening to 32-bit lanes), and the
- * 2^8 rides in the scale (|scale| < 2^119, checked once per call). Subnormal codes need no
- * special case: vcvtph2ps widens fp16 subnormals exactly and without a microcode assist
- * (placing the bits straight into fp32 would make fp32 denormals, whose assists cost ~30x
- * on data with many small codes). The NaN codes would come out finite, so the loop tracks
- * them (one min per 64 bytes) and a chunk that holds one is redone by the route above.
- * Measured in L2, one thread, Qwen3-like tile (K chunk 256): 10.6-11.7 GB/s of weights at
- * mr = 1 against 8.2-8.8 GB/s for the previous route (9 ops per 32 weights plus a
- * per-pair special-code branch), with or without subnormal codes.
+ * Fast route (every K block without a NaN code): the same fp16 bits are made in place, in
+ * the 16-bit lanes that hold a column's (k even, k odd) byte pair: an arithmetic shift
+ * right by 1 and a mask give the odd byte's fp16 bits, a shift left by 8 first gives the
+ * even byte's (5 integer ops per 64 bytes, no widening). Subnormal codes need no special
+ * case: vcvtph2ps widens fp16 subnormals exactly and without a microcode assist (placing
+ * the bits straight into fp32 would make fp32 denormals, whose assists cost ~30x on data
+ * with many small codes). The NaN codes would come out finite, so the loop tracks them
+ * (one min per 64 bytes) and a block that holds one is redone by the exact route.
+ * Measured in L2, one thread, mr = 1: 8.2-8.8 GB/s of weights for the earlier widening
+ * route with a per-weight scale multiply and a per-pair special-code branch; 10.6-14.1 GB/s
+ * with the in-place fp16 bits; 16.3-16.9 GB/s once the scale moved out of the k loop.
  *
  * Two ways to use the weights, chosen by the pipeline, with identical results:
  *   decode  (few rows): cm_fp8_gemm_f32acc_mrx32 decodes in registers, nothing stored.
@@ -62,24 +63,17 @@ static inline __attribute__((always_inline)) void decode_pair(__m256i bytes, __m
  * (nan_track) and redoes the chunk with decode_kpair_exact. */
 #define CM_FP16_BITS 0xBF80 /* sign and the 7 value bits after the shift */
 
-static inline
-    __attribute__((always_inline)) void widen_fp16_bits(__m512i h, __m512 scale0, __m512 scale1,
-                                                        __m512 *cols0, __m512 *cols1) {
-  *cols0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scale0);
-  *cols1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale1);
-}
-
-/* one k pair -> w = value * scale (rounded once) for columns 0-15 / 16-31, k even / odd;
- * s0, s1 are the scales times 2^8 */
-static inline __attribute__((always_inline)) void decode_kpair_fast(__m512i raw, __m512 s0,
-                                                                    __m512 s1, __m512 *e0,
+/* one k pair -> d = value * 2^-8 for columns 0-15 / 16-31, k even / odd */
+static inline __attribute__((always_inline)) void decode_kpair_fast(__m512i raw, __m512 *e0,
                                                                     __m512 *o0, __m512 *e1,
                                                                     __m512 *o1) {
   const __m512i keep = _mm512_set1_epi16((short)CM_FP16_BITS);
   const __m512i odd = _mm512_and_si512(_mm512_srai_epi16(raw, 1), keep);
   const __m512i even = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 1), keep);
-  widen_fp16_bits(even, s0, s1, e0, e1);
-  widen_fp16_bits(odd, s0, s1, o0, o1);
+  *e0 = _mm512_cvtph_ps(_mm512_castsi512_si256(even));
+  *e1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(even, 1));
+  *o0 = _mm512_cvtph_ps(_mm512_castsi512_si256(odd));
+  *o1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(odd, 1));
 }
 
 /* bytes whose value bits are all ones (the NaN codes) make this 0 */
@@ -91,44 +85,40 @@ static inline int saw_nan(__m512i track) {
   return _mm512_cmpeq_epi8_mask(track, _mm512_setzero_si512()) != 0;
 }
 
-/* 64 bytes of one k pair -> four fp32 vectors (columns 0-15 and 16-31, k even and odd)
- * times `scale`, by the fp16 route: exact for every code, NaN included */
-static inline __attribute__((always_inline)) void decode_kpair_exact(const uint8_t *bk, __m512 s0,
-                                                                     __m512 s1, __m512 *e0,
+/* 64 bytes of one k pair -> d for columns 0-15 / 16-31, k even / odd, by the widening fp16
+ * route: exact for every code, NaN included */
+static inline __attribute__((always_inline)) void decode_kpair_exact(const uint8_t *bk, __m512 *e0,
                                                                      __m512 *o0, __m512 *e1,
                                                                      __m512 *o1) {
   const __m512i raw = _mm512_loadu_si512(bk);
-  const __m512 k256 = _mm512_set1_ps(256.0f); /* value * 2^-8 -> value, exact */
   decode_pair(_mm512_castsi512_si256(raw), e0, o0);
   decode_pair(_mm512_extracti64x4_epi64(raw, 1), e1, o1);
-  *e0 = _mm512_mul_ps(_mm512_mul_ps(*e0, k256), s0);
-  *o0 = _mm512_mul_ps(_mm512_mul_ps(*o0, k256), s0);
-  *e1 = _mm512_mul_ps(_mm512_mul_ps(*e1, k256), s1);
-  *o1 = _mm512_mul_ps(_mm512_mul_ps(*o1, k256), s1);
 }
 
-/* The fast route multiplies by scale * 2^8: finite while |scale| < 2^119 (checked once
- * per call; any finite scale below that is scaled exactly). */
-static inline int fast_scales(const float *scale, __m512 *s0, __m512 *s1) {
-  const __m512 k = _mm512_set1_ps(256.0f), lim = _mm512_set1_ps(0x1p119f);
-  const __m512 r0 = _mm512_loadu_ps(scale), r1 = _mm512_loadu_ps(scale + 16);
-  *s0 = _mm512_mul_ps(r0, k), *s1 = _mm512_mul_ps(r1, k);
-  const __mmask16 ok0 = _mm512_cmp_ps_mask(_mm512_abs_ps(r0), lim, _CMP_LT_OQ);
-  const __mmask16 ok1 = _mm512_cmp_ps_mask(_mm512_abs_ps(r1), lim, _CMP_LT_OQ);
-  return ok0 == 0xffff && ok1 == 0xffff;
+/* C = fma(P, scale, C or +0) for the finished block sums P */
+static inline __attribute__((always_inline)) void fold_block(const int mr, const __m512 *p0,
+                                                             const __m512 *p1,
+                                                             const float *restrict scale,
+                                                             float *restrict c, int accumulate) {
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+#pragma GCC unroll 12
+  for (int r = 0; r < mr; r++) {
+    const __m512 c0 = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
+    const __m512 c1 = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
+    _mm512_storeu_ps(c + r * CM_NR, _mm512_fmadd_ps(p0[r], s0, c0));
+    _mm512_storeu_ps(c + r * CM_NR + 16, _mm512_fmadd_ps(p1[r], s1, c1));
+  }
 }
 
-/* Fast route over the chunk; returns 0 (c untouched) if a scale is out of its range or a
- * NaN code was seen, so that the caller redoes the chunk by the exact route. */
+/* Fast route over the block; returns 0 (c untouched) if a NaN code was seen, so that the
+ * caller redoes the block by the exact route. */
 static inline __attribute__((always_inline)) int gemm_fast(const int mr, size_t kc,
                                                            const float *restrict a, size_t as,
                                                            const uint8_t *restrict b,
                                                            const float *restrict scale,
                                                            float *restrict c, int accumulate) {
-  __m512 s0, s1;
-  if (!fast_scales(scale, &s0, &s1)) return 0;
   __m512 acc0[MR], acc1[MR];
-  cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
+  cm_tile_load__avx512(mr, acc0, acc1, c, 0);
   __m512i track = _mm512_set1_epi8(-1);
   for (size_t kp = 0; kp < kc / 2; kp++) {
     const uint8_t *bk = b + kp * 64;
@@ -136,12 +126,12 @@ static inline __attribute__((always_inline)) int gemm_fast(const int mr, size_t 
     const __m512i raw = _mm512_loadu_si512(bk);
     track = nan_track(track, raw);
     __m512 e0, o0, e1, o1;
-    decode_kpair_fast(raw, s0, s1, &e0, &o0, &e1, &o1);
+    decode_kpair_fast(raw, &e0, &o0, &e1, &o1);
     cm_tile_fma_k__avx512(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
     cm_tile_fma_k__avx512(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
   if (saw_nan(track)) return 0;
-  cm_tile_store__avx512(mr, acc0, acc1, c);
+  fold_block(mr, acc0, acc1, scale, c, accumulate);
   return 1;
 }
 
@@ -152,15 +142,14 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             float *restrict c, int accumulate) {
   if (gemm_fast(mr, kc, a, as, b, scale, c, accumulate)) return;
   __m512 acc0[MR], acc1[MR];
-  cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
-  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  cm_tile_load__avx512(mr, acc0, acc1, c, 0);
   for (size_t kp = 0; kp < kc / 2; kp++) {
     __m512 e0, o0, e1, o1;
-    decode_kpair_exact(b + kp * 64, s0, s1, &e0, &o0, &e1, &o1);
+    decode_kpair_exact(b + kp * 64, &e0, &o0, &e1, &o1);
     cm_tile_fma_k__avx512(mr, acc0, acc1, e0, e1, a + 2 * kp * as);
     cm_tile_fma_k__avx512(mr, acc0, acc1, o0, o1, a + (2 * kp + 1) * as);
   }
-  cm_tile_store__avx512(mr, acc0, acc1, c);
+  fold_block(mr, acc0, acc1, scale, c, accumulate);
 }
 
 static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, size_t kc,
@@ -187,27 +176,23 @@ void cm_f32_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const float *a, size
   CM_MR_SWITCH12(gemm_f32b_body, kc, a, as, b, c, accumulate)
 }
 
-void cm_fp8_to_f32__avx512(size_t kc, const uint8_t *b, const float *scale, float *dst) {
-  __m512 s0, s1;
-  if (fast_scales(scale, &s0, &s1)) {
-    __m512i track = _mm512_set1_epi8(-1);
-    for (size_t kp = 0; kp < kc / 2; kp++) {
-      const __m512i raw = _mm512_loadu_si512(b + kp * 64);
-      track = nan_track(track, raw);
-      __m512 e0, o0, e1, o1;
-      decode_kpair_fast(raw, s0, s1, &e0, &o0, &e1, &o1);
-      float *even = dst + 2 * kp * CM_NR, *odd = even + CM_NR;
-      _mm512_storeu_ps(even, e0);
-      _mm512_storeu_ps(even + 16, e1);
-      _mm512_storeu_ps(odd, o0);
-      _mm512_storeu_ps(odd + 16, o1);
-    }
-    if (!saw_nan(track)) return;
+void cm_fp8_to_f32__avx512(size_t kc, const uint8_t *b, float *dst) {
+  __m512i track = _mm512_set1_epi8(-1);
+  for (size_t kp = 0; kp < kc / 2; kp++) {
+    const __m512i raw = _mm512_loadu_si512(b + kp * 64);
+    track = nan_track(track, raw);
+    __m512 e0, o0, e1, o1;
+    decode_kpair_fast(raw, &e0, &o0, &e1, &o1);
+    float *even = dst + 2 * kp * CM_NR, *odd = even + CM_NR;
+    _mm512_storeu_ps(even, e0);
+    _mm512_storeu_ps(even + 16, e1);
+    _mm512_storeu_ps(odd, o0);
+    _mm512_storeu_ps(odd + 16, o1);
   }
-  const __m512 s0x = _mm512_loadu_ps(scale), s1x = _mm512_loadu_ps(scale + 16);
+  if (!saw_nan(track)) return;
   for (size_t kp = 0; kp < kc / 2; kp++) {
     __m512 e0, o0, e1, o1;
-    decode_kpair_exact(b + kp * 64, s0x, s1x, &e0, &o0, &e1, &o1);
+    decode_kpair_exact(b + kp * 64, &e0, &o0, &e1, &o1);
     float *even = dst + 2 * kp * CM_NR, *odd = even + CM_NR;
     _mm512_storeu_ps(even, e0);
     _mm512_storeu_ps(even + 16, e1);

@@ -391,12 +391,14 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
 
 static const cm_scheme_impl cm_scheme_int8 = {prepare_token_int8, pack_panel_u8, gemm_block_int8};
 
-/* ---- FP8 W8A16: fp32 panels; e4m3 weights decoded exactly and scaled per 2-D block ---- */
+/* ---- FP8 W8A16: fp32 panels; e4m3 weights decoded exactly, scaled per 2-D block ---- */
 
-/* Chunks of the reduction never cross a K block, so one scale per column holds for a whole
- * chunk. A block with few rows decodes in registers (decode: weights are read once); a
- * block with more converts each chunk once into an L1-resident fp32 buffer and runs all
- * its panels on it. Both give the same bits (same per-weight value, same FMA chains). */
+/* The reduction is walked K block by K block (one scale per column within a block): each
+ * block's products are summed unscaled, then folded in with the block's scale
+ * (common/ukernels.h). A block of few rows decodes in registers, one call per K block
+ * (decode: weights are read once); a block with more converts each chunk of a K block
+ * once into an L1-resident fp32 buffer, runs all its panels on it into per-panel block
+ * sums, and folds those at the K block's end. Both give the same bits. */
 static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                            float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -412,29 +414,48 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
   const int convert = block_rows(r, blk) > CM_FP8_DECODE_MAX_ROWS;
   float col_scale[CM_NR];
   float decoded[CM_FP8_KC * CM_NR];
+  float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   for (int j = 0; j < CM_NR; j++) scale_row[j] = scales + ((row0 + j) / p->block_n) * k_blocks;
-  for (int64_t k0 = 0; k0 < red;) {
-    const int64_t kb = k0 / p->block_k;
-    int64_t kc = (kb + 1) * p->block_k - k0; /* to the end of this K block ... */
-    if (kc > CM_FP8_KC) kc = CM_FP8_KC;      /* ... in chunks that fit L1 */
-    if (kc > red - k0) kc = red - k0;
+  for (int64_t kb = 0; kb < k_blocks; kb++) {
+    const int64_t k_begin = kb * p->block_k;
+    const int64_t k_end = k_begin + p->block_k < red ? k_begin + p->block_k : red;
     for (int j = 0; j < CM_NR; j++) col_scale[j] = scale_row[j][kb];
-    if (convert) r->uk->fp8_to_f32((size_t)kc, w + k0 * CM_NR, col_scale, decoded);
-    float *cq = c;
-    for (int32_t q = 0; q < blk->panels; q++) {
-      const cm_panel *pn = &r->panels[blk->first_panel + q];
-      const size_t rows = (size_t)pn->rows;
-      const float *panel =
-          (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red + (size_t)k0 * rows;
-      if (convert)
-        r->uk->gemm_f32b(rows, (size_t)kc, panel, rows, decoded, cq, k0 > 0);
-      else
-        r->uk->gemm_fp8(rows, (size_t)kc, panel, rows, w + k0 * CM_NR, col_scale, cq, k0 > 0);
-      cq += rows * CM_NR;
+    if (!convert) {
+      float *cq = c;
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        const size_t rows = (size_t)pn->rows;
+        const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red +
+                             (size_t)k_begin * rows;
+        r->uk->gemm_fp8(rows, (size_t)(k_end - k_begin), panel, rows, w + k_begin * CM_NR,
+                        col_scale, cq, kb > 0);
+        cq += rows * CM_NR;
+      }
+      continue;
     }
-    k0 += kc;
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += CM_FP8_KC) {
+      const int64_t kc = k_end - k0 < CM_FP8_KC ? k_end - k0 : CM_FP8_KC;
+      r->uk->fp8_to_f32((size_t)kc, w + k0 * CM_NR, decoded);
+      float *sq = sums;
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        const size_t rows = (size_t)pn->rows;
+        const float *panel =
+            (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red + (size_t)k0 * rows;
+        r->uk->gemm_f32b(rows, (size_t)kc, panel, rows, decoded, sq, k0 > k_begin);
+        sq += rows * CM_NR;
+      }
+    }
+    float *cq = c, *sq = sums;
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const size_t rows = (size_t)r->panels[blk->first_panel + q].rows;
+      r->uk->fp8_fold(rows, sq, col_scale, cq, kb > 0);
+      cq += rows * CM_NR, sq += rows * CM_NR;
+    }
   }
+  const size_t tile_values = (size_t)block_rows(r, blk) * CM_NR;
+  for (size_t i = 0; i < tile_values; i++) c[i] *= 256.0f; /* C held the result times 2^-8 */
 }
 
 static const cm_scheme_impl cm_scheme_fp8 = {NULL, pack_panel_f32, gemm_block_fp8};
@@ -500,11 +521,13 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
       }
     }
   }
-  float *cq = c;
+  float *cq = c, row[CM_NR];
   for (int32_t q = 0; q < blk->panels; q++) {
     const cm_panel *pn = &r->panels[blk->first_panel + q];
-    for (int32_t i = 0; i < pn->rows; i++, cq += CM_NR)
-      r->uk->bias_scale(CM_NR, cq, NULL, r->a_scale[stage - 1][pn->first + i], cq);
+    for (int32_t i = 0; i < pn->rows; i++, cq += CM_NR) {
+      r->uk->bias_scale(CM_NR, cq, NULL, r->a_scale[stage - 1][pn->first + i], row);
+      memcpy(cq, row, sizeof row);
+    }
   }
 }
 

@@ -1,16 +1,16 @@
 /*
  * Scalar kernels for FP8 (e4m3fn) W8A16: the ground truth of fp8/gemm-<tier>.c
  * (contracts: common/ukernels.h). Every weight is decoded exactly (common/numeric.h,
- * cm_e4m3_to_f32_scaled: the value times 2^-8), multiplied by its column's block scale
- * (which carries the 2^8), and enters one fmaf chain per output element.
+ * cm_e4m3_to_f32_scaled: the value times 2^-8); a K block's products enter one fmaf chain
+ * per output element, and the block's sum is folded in with fmaf(P, scale, C).
  */
 #include <math.h>
 
 #include "common/numeric.h"
 #include "common/ukernels.h"
 
-static float weight(const uint8_t *b, size_t k, size_t n, const float *scale) {
-  return cm_e4m3_to_f32(b[(k / 2) * 2 * CM_NR + 2 * n + (k & 1)]) * scale[n];
+static float decoded(const uint8_t *b, size_t k, size_t n) {
+  return cm_e4m3_to_f32_scaled(b[(k / 2) * 2 * CM_NR + 2 * n + (k & 1)]);
 }
 
 void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
@@ -18,9 +18,9 @@ void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size
                                       int accumulate) {
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {
-      float acc = accumulate ? c[r * CM_NR + n] : 0.0f;
-      for (size_t k = 0; k < kc; k++) acc = fmaf(a[k * as + r], weight(b, k, n, scale), acc);
-      c[r * CM_NR + n] = acc;
+      float p = 0.0f;
+      for (size_t k = 0; k < kc; k++) p = fmaf(a[k * as + r], decoded(b, k, n), p);
+      c[r * CM_NR + n] = fmaf(p, scale[n], accumulate ? c[r * CM_NR + n] : 0.0f);
     }
 }
 
@@ -34,7 +34,7 @@ void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size
     }
 }
 
-void cm_fp8_to_f32__scalar(size_t kc, const uint8_t *b, const float *scale, float *dst) {
+void cm_fp8_to_f32__scalar(size_t kc, const uint8_t *b, float *dst) {
   for (size_t k = 0; k < kc; k++)
-    for (size_t n = 0; n < CM_NR; n++) dst[k * CM_NR + n] = weight(b, k, n, scale);
+    for (size_t n = 0; n < CM_NR; n++) dst[k * CM_NR + n] = decoded(b, k, n);
 }
