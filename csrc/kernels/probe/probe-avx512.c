@@ -70,6 +70,8 @@ double cm_probe_int8_loop__avx512(int64_t iterations) {
                        _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7))),
       _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)),
                        _mm512_add_epi32(_mm512_add_epi32(c12, c13), _mm512_add_epi32(c14, c15))));
-  cm_probe_sink_avx512 = _mm512_reduce_add_epi32(sum);
+  /* one lane is enough to keep the chains live; _mm512_reduce_add_epi32 would add the
+   * wrapped int32 lanes as signed C ints (undefined behaviour) */
+  cm_probe_sink_avx512 = _mm_cvtsi128_si32(_mm512_castsi512_si128(sum));
   return (double)iterations * 16.0 * 128.0;
 }
