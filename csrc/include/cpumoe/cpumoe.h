@@ -87,10 +87,11 @@ typedef struct cpumoe_runner {
  * g*y and the sum over slots in fp32, one rounding of the final sum. */
 typedef struct cpumoe_moe_problem {
   int64_t M;    /* tokens (>= 0) */
-  int64_t K;    /* hidden size, multiple of 32 */
-  int64_t N;    /* intermediate size per expert, multiple of 32 */
-  int64_t E;    /* experts */
-  int64_t topk; /* slots per token (>= 1) */
+  int64_t K;    /* hidden size, multiple of 32, <= 2^30 */
+  int64_t N;    /* intermediate size per expert, multiple of 32, <= 2^30 */
+  int64_t E;    /* experts, < 2^31 */
+  int64_t topk; /* slots per token, 1..16384 */
+  /* Every tensor's byte count must fit in ptrdiff_t (else CPUMOE_EINVAL). */
   cpumoe_scheme scheme;
   cpumoe_dtype act_dtype; /* BF16 or F16: x, out, residual */
   cpumoe_activation activation;

@@ -36,6 +36,7 @@
 #include "common/int4.h"
 #include "common/numeric.h"
 #include "common/parallel.h"
+#include "common/sizes.h"
 #include "common/ukernels.h"
 
 #define CM_CHUNK_TOKENS 1024
@@ -48,6 +49,10 @@
 #define CM_INT4_DECODE_MAX_ROWS 4 /* blocks up to this many rows expand nibbles in registers */
 #define CM_PACK_COLS 64           /* columns widened per step when packing A panels */
 #define CM_INT8_MIN_AMAX 1e-7f    /* floor of a row's absmax before quantizing (all-zero rows) */
+/* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
+ * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
+#define CM_MAX_TOPK 16384
+#define CM_MAX_DIM (INT64_C(1) << 30)
 
 typedef struct cm_panel {
   int32_t expert;
@@ -84,6 +89,7 @@ static size_t align64(size_t x) {
   return (x + 63) & ~(size_t)63;
 }
 
+/* validate() bounds slots by 2^24 and K, N by 2^30 (CM_MAX_*): nothing here can overflow. */
 static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   cm_layout l;
   const int64_t chunk = p->M < CM_CHUNK_TOKENS ? p->M : CM_CHUNK_TOKENS;
@@ -162,6 +168,43 @@ static cpumoe_status validate(const cpumoe_moe_problem *p) {
                    "intermediate size N=%lld must be a multiple of 32 (pad w1 rows and w2 "
                    "columns with zeros)",
                    (long long)p->N);
+  if (p->K > CM_MAX_DIM || p->N > CM_MAX_DIM || p->E > INT32_MAX || p->topk > CM_MAX_TOPK)
+    return cm_fail(CPUMOE_EUNSUPPORTED,
+                   "sizes K=%lld N=%lld E=%lld topk=%lld exceed the supported K, N <= 2^30, "
+                   "E < 2^31, topk <= %d",
+                   (long long)p->K, (long long)p->N, (long long)p->E, (long long)p->topk,
+                   CM_MAX_TOPK);
+  /* Byte counts of the caller's tensors; a product beyond PTRDIFF_MAX describes no tensor
+   * that can exist. w1_row bounds the bytes of one w1 row (INT4: nibbles and block sums take
+   * at most 1.5 K, group scales at most K); w2, biases, per-channel scales and INT4 zero
+   * points take no more than w1 does (K, N >= 32); FP8 block scales can, so they count. */
+  const int64_t w1_row = p->scheme == CPUMOE_SCHEME_INT8_W8A8   ? p->K + 4
+                         : p->scheme == CPUMOE_SCHEME_FP8_W8A16 ? p->K
+                                                                : 2 * p->K;
+  const int fp8 = p->scheme == CPUMOE_SCHEME_FP8_W8A16;
+  const struct {
+    const char *name;
+    int64_t bytes;
+  } tensors[] = {
+      {"x and out [M, K]", cm_size_product(p->M, p->K, 2)},
+      {"topk_ids and topk_weights [M, topk]", cm_size_product(p->M, p->topk, 8)},
+      {"w1 [E, 2N, K]", cm_size_product(p->E, 2 * p->N, w1_row)},
+      {"w1_scale", fp8 ? cm_size_product(cm_size_product(p->E, cm_ceil_div(2 * p->N, p->block_n),
+                                                         cm_ceil_div(p->K, p->block_k)),
+                                         4, 1)
+                       : 0},
+      {"w2_scale", fp8 ? cm_size_product(cm_size_product(p->E, cm_ceil_div(p->K, p->block_n),
+                                                         cm_ceil_div(p->N, p->block_k)),
+                                         4, 1)
+                       : 0},
+  };
+  for (size_t i = 0; i < sizeof tensors / sizeof tensors[0]; i++)
+    if (tensors[i].bytes < 0)
+      return cm_fail(CPUMOE_EINVAL,
+                     "%s: sizes M=%lld K=%lld N=%lld E=%lld topk=%lld give more bytes than a "
+                     "tensor can hold",
+                     tensors[i].name, (long long)p->M, (long long)p->K, (long long)p->N,
+                     (long long)p->E, (long long)p->topk);
   if (p->activation != CPUMOE_ACT_SILU_MUL && p->activation != CPUMOE_ACT_SWIGLU_CLAMP)
     return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)p->activation);
   if ((p->w1_bias == NULL) != (p->w2_bias == NULL))
@@ -404,8 +447,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
   const cpumoe_moe_problem *p = r->p;
   const int64_t red = stage_reduction(r, stage);
   const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
-  const int64_t k_blocks = (red + p->block_k - 1) / p->block_k;
-  const int64_t n_blocks = (out_rows + p->block_n - 1) / p->block_n;
+  const int64_t k_blocks = cm_ceil_div(red, p->block_k);
+  const int64_t n_blocks = cm_ceil_div(out_rows, p->block_n);
   const int64_t expert = r->panels[blk->first_panel].expert;
   const uint8_t *w = (const uint8_t *)(stage == 1 ? p->w1 : p->w2) +
                      (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);

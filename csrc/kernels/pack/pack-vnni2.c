@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/parallel.h"
+#include "common/sizes.h"
 
 typedef struct pack_job {
   const char *src;
@@ -46,6 +47,11 @@ static cpumoe_status pack_vnni2(const void *src, void *dst, size_t elem, int64_t
   if (cols % 32 != 0)
     return cm_fail(CPUMOE_EINVAL, "invalid weight input features %lld: must be a multiple of 32",
                    (long long)cols);
+  if (cm_size_product(cm_size_product(experts, rows, cols), (int64_t)elem, 1) < 0)
+    return cm_fail(CPUMOE_EINVAL,
+                   "pack: experts=%lld x rows=%lld x cols=%lld elements are more bytes than a "
+                   "tensor can hold",
+                   (long long)experts, (long long)rows, (long long)cols);
   if (!src || !dst) return cm_fail(CPUMOE_EINVAL, "pack: NULL source or destination");
   pack_job job = {(const char *)src, (char *)dst, elem, rows, cols, (rows + 31) / 32};
   cm_parallel_tasks(runner, experts * job.blocks_per_expert, pack_block, &job);

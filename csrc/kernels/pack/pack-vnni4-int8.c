@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/parallel.h"
+#include "common/sizes.h"
 #include "common/ukernels.h"
 
 typedef struct pack_job {
@@ -56,6 +57,11 @@ cpumoe_status cpumoe_pack_vnni4_int8(const int8_t *src, int8_t *dst, int64_t exp
                    "int8 weights with %lld input features: the int32 compensation and "
                    "accumulation are exact only up to %d",
                    (long long)cols, CM_INT8_MAX_REDUCTION);
+  if (cm_size_product(experts, rows, cols + 4) < 0)
+    return cm_fail(CPUMOE_EINVAL,
+                   "pack: experts=%lld x rows=%lld x (cols=%lld + 4) bytes are more than a "
+                   "tensor can hold",
+                   (long long)experts, (long long)rows, (long long)cols);
   if (!src || !dst) return cm_fail(CPUMOE_EINVAL, "pack: NULL source or destination");
   pack_job job = {src, dst, rows, cols, rows / 32};
   cm_parallel_tasks(runner, experts * job.blocks_per_expert, pack_block, &job);
