@@ -1,20 +1,14 @@
 """Build of cpumoe: per-tier C kernels, then the PyTorch extension that links them.
 
-The C core (csrc/kernels) is compiled here with the system C compiler, one flag
-set per ISA tier, chosen by the file name suffix:
-
-    *-scalar.c   baseline x86-64 (no flags beyond it)
-    *-avx2.c     -mavx2 -mfma -mf16c
-    *-avx512.c   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni (+ avx2 flags)
-    other *.c    baseline (pipeline, packers, dispatch: must run on any x86-64)
-
-Never -march tuned to the build host: the same binary runs on any x86-64 CPU and picks its tier
-at run time. torch's extension builder would give all files one flag set and
+The C core (csrc/kernels) is compiled here with the system C compiler, one flag set per ISA
+tier chosen by the file name suffix (the tables are in tools/kernel_build.py, which the
+C test build shares). torch's extension builder would give all files one flag set and
 compile .c as C++, so the objects are built before it and linked in.
 """
 
 import os
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,34 +16,14 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = Path(__file__).resolve().parent
-KERNELS = ROOT / "csrc" / "kernels"
-INCLUDE = ROOT / "csrc" / "include"
-
-BASE_CFLAGS = [
-    "-std=c11", "-O3", "-fPIC", "-fvisibility=hidden",
-    # Every tier must give the same bits: no silent FMA contraction, fmaf where meant.
-    "-ffp-contract=off", "-fno-math-errno",
-    "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
-    "-march=x86-64", "-mtune=generic",
-]
-TIER_FLAGS = {
-    "scalar": [],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mavx512vnni", "-mprefer-vector-width=512"],
-}
-
-
-def tier_of(path: Path) -> str:
-    stem = path.stem
-    for tier in ("avx512", "avx2", "scalar"):
-        if stem.endswith("-" + tier):
-            return tier
-    return "scalar"
-
-
-def kernel_sources():
-    return sorted(KERNELS.rglob("*.c"))
+sys.path.insert(0, str(ROOT / "tools"))
+from kernel_build import (  # noqa: E402
+    INCLUDE,
+    KERNELS,
+    compile_command,
+    kernel_dependencies,
+    kernel_sources,
+)
 
 
 class BuildWithKernels(BuildExtension):
@@ -59,13 +33,12 @@ class BuildWithKernels(BuildExtension):
         jobs = []
         for src in kernel_sources():
             obj = out_dir / src.relative_to(KERNELS).with_suffix(".o")
-            flags = BASE_CFLAGS + TIER_FLAGS[tier_of(src)]
-            jobs.append((src, obj, [cc, *flags, f"-I{INCLUDE}", f"-I{KERNELS}", "-c", str(src), "-o", str(obj)]))
+            jobs.append((src, obj, compile_command(cc, src, obj)))
 
         def compile_one(job):
             src, obj, cmd = job
             obj.parent.mkdir(parents=True, exist_ok=True)
-            deps = [src, *KERNELS.rglob("*.h"), INCLUDE / "cpumoe" / "cpumoe.h"]
+            deps = kernel_dependencies(src)
             if obj.exists() and obj.stat().st_mtime >= max(d.stat().st_mtime for d in deps):
                 return obj
             print(" ".join(cmd), flush=True)
