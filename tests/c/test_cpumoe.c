@@ -1,0 +1,1054 @@
+/*
+ * Test driver of the torch-free C core. It calls every public function of
+ * cpumoe/cpumoe.h through that header only (no kernel headers) and checks the
+ * results against scalar re-statements written here:
+ *
+ *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16 against a
+ *                  double-precision reference (tolerance relative to the output's scale):
+ *                  bias, silu and clamped swiglu, residual, int32/int64 topk_ids with -1
+ *                  slots, f32/f64/bf16/f16 topk weights, NULL ids/weights, out aliasing x,
+ *                  M = 0, 1 and more than one 1024-token chunk, K and N multiples of 32 but
+ *                  not of 64; on every ISA tier the CPU runs (bit-identical to each other)
+ *                  and with a pthread runner (bit-identical to serial); a workspace of
+ *                  exactly the size asked for (malloc'd, so ASan sees any overrun),
+ *                  aligned and not, filled with garbage.
+ *   packers        VNNI-2 (16-bit, 8-bit) and VNNI-4 int8 + compensation, byte for byte
+ *                  against the formulas of docs/FORMATS.md.
+ *   errors         each rejected input returns its documented status with a message of
+ *                  its own naming the argument, and writes nothing.
+ *   sizes          sizes whose products overflow int64/size_t are rejected.
+ *   ISA, probes    tier names, cap, reason and feature strings; probe checksums and counts.
+ *
+ * Prints one summary line; exits 1 on any failure. Optional argument: the name of one
+ * section to run (packers, fused, errors, sizes, isa, probes).
+ * Build and run with sanitizers: python tools/build_c_tests.py
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cpumoe/cpumoe.h"
+
+/* ---- checks ---------------------------------------------------------------------- */
+
+static int g_checks, g_failures, g_verbose;
+
+static void check_at(int line, int ok, const char *fmt, ...) {
+  g_checks++;
+  if (ok) return;
+  if (++g_failures > 40) return; /* keep the log readable; the count stays exact */
+  va_list args;
+  va_start(args, fmt);
+  fprintf(stderr, "FAIL (line %d): ", line);
+  vfprintf(stderr, fmt, args);
+  fputc('\n', stderr);
+  va_end(args);
+}
+#define CHECK(cond, ...) check_at(__LINE__, (cond) != 0, __VA_ARGS__)
+
+static void *xmalloc(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "out of memory (%zu bytes)\n", bytes);
+    exit(2);
+  }
+  return p;
+}
+
+/* ---- random numbers (splitmix64: reproducible, no libc state) ---------------------- */
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15u;
+
+static uint64_t rnd_u64(void) {
+  uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+static double rnd_uniform(double lo, double hi) {
+  return lo + (hi - lo) * (double)(rnd_u64() >> 11) * 0x1p-53;
+}
+static int64_t rnd_below(int64_t n) {
+  return (int64_t)(rnd_u64() % (uint64_t)n);
+}
+
+/* ---- number formats, restated from their definitions -------------------------------- */
+
+/* v rounded to nearest even with `bits` significant bits; exponents below emin are
+ * subnormal (fixed spacing 2^(emin + 1 - bits)). */
+static double round_sig(double v, int bits, int emin) {
+  if (v == 0.0 || !isfinite(v)) return v;
+  int e;
+  frexp(v, &e); /* |v| in [2^(e-1), 2^e) */
+  if (e - 1 < emin) e = emin + 1;
+  const double spacing = ldexp(1.0, e - bits);
+  return nearbyint(v / spacing) * spacing;
+}
+
+static double bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static uint16_t bf16_bits(double v) { /* v rounded to bf16, then its top 16 bits */
+  const float f = (float)round_sig(v, 8, -126);
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
+static double f16_value(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const double s = (h & 0x8000) ? -1.0 : 1.0;
+  if (e == 31) return m ? NAN : s * INFINITY;
+  return s * (e ? ldexp(1024 + m, e - 25) : ldexp(m, -24));
+}
+static uint16_t f16_bits(double v) {
+  const double r = round_sig(v, 11, -14);
+  const uint16_t sign = signbit(r) ? 0x8000 : 0;
+  const double a = fabs(r);
+  if (a > 65504.0) return sign | 0x7c00;
+  if (a < 0x1p-14) return sign | (uint16_t)(a * 0x1p24); /* subnormal: exact multiple */
+  int e;
+  const double f = frexp(a, &e); /* a = f 2^e, f in [0.5, 1) */
+  return sign | (uint16_t)((e + 14) << 10) | (uint16_t)((f * 2.0 - 1.0) * 1024.0);
+}
+
+static double act_value(cpumoe_dtype dt, uint16_t h) {
+  return dt == CPUMOE_DTYPE_BF16 ? bf16_value(h) : f16_value(h);
+}
+static uint16_t act_bits(cpumoe_dtype dt, double v) {
+  return dt == CPUMOE_DTYPE_BF16 ? bf16_bits(v) : f16_bits(v);
+}
+static double act_round(cpumoe_dtype dt, double v) {
+  return act_value(dt, act_bits(dt, v));
+}
+
+/* e4m3fn: s.eeee.mmm, bias 7, subnormals m 2^-9, 0x7f/0xff NaN (never generated here) */
+static double e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = e ? ldexp(8 + m, e - 10) : ldexp(m, -9);
+  return (b & 0x80) ? -v : v;
+}
+
+/* ---- packed layouts of docs/FORMATS.md ---------------------------------------------- */
+
+/* VNNI-2 (16-bit and fp8): per expert, blocks of 32 rows (the last may be 16);
+ * dst[32b*cols + (k/2)*2*nsz + 2n + k%2] = W[32b + n][k] */
+static void ref_pack_vnni2(const void *src, void *dst, size_t elem, int64_t experts, int64_t rows,
+                           int64_t cols) {
+  const char *s = (const char *)src;
+  char *d = (char *)dst;
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t row0 = 0; row0 < rows; row0 += 32) {
+      const int64_t nsz = rows - row0 < 32 ? rows - row0 : 32;
+      const int64_t base = (e * rows + row0) * cols;
+      for (int64_t n = 0; n < nsz; n++)
+        for (int64_t k = 0; k < cols; k++)
+          memcpy(d + (size_t)(base + (k / 2) * 2 * nsz + 2 * n + k % 2) * elem,
+                 s + (size_t)(base + n * cols + k) * elem, elem);
+    }
+}
+
+/* VNNI-4 int8: per expert [rows][cols + 4] bytes; block b (32 rows) at byte 32b(cols+4):
+ * dst[(k/4)*128 + 4n + k%4] = W[32b + n][k], then int32 comp[n] = 128 * sum_k W[32b + n][k] */
+static void ref_pack_vnni4(const int8_t *src, int8_t *dst, int64_t experts, int64_t rows,
+                           int64_t cols) {
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t b = 0; b < rows / 32; b++) {
+      const int8_t *w = src + (e * rows + 32 * b) * cols;
+      int8_t *out = dst + (e * rows + 32 * b) * (cols + 4);
+      for (int64_t n = 0; n < 32; n++) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < cols; k++) {
+          out[(k / 4) * 128 + 4 * n + k % 4] = w[n * cols + k];
+          sum += w[n * cols + k];
+        }
+        const int32_t comp = 128 * sum;
+        memcpy(out + 32 * cols + 4 * n, &comp, 4);
+      }
+    }
+}
+
+/* ---- a runner on pthreads: worker w on its own thread, w = 0 on the caller ---------- */
+
+#define MAX_THREADS 8
+
+typedef struct thread_job {
+  cpumoe_worker_fn worker;
+  void *arg;
+  int64_t index;
+} thread_job;
+
+typedef struct runner_stats {
+  int calls;       /* run() calls with more than one worker */
+  int64_t workers; /* most workers asked for at once */
+} runner_stats;
+
+static void *thread_main(void *p) {
+  thread_job *job = (thread_job *)p;
+  job->worker(job->arg, job->index);
+  return NULL;
+}
+
+static void pthread_run(void *ctx, int64_t n, cpumoe_worker_fn worker, void *arg) {
+  runner_stats *stats = (runner_stats *)ctx;
+  pthread_t threads[MAX_THREADS];
+  thread_job jobs[MAX_THREADS];
+  if (n > MAX_THREADS) abort(); /* the core asked for more than num_threads */
+  stats->calls += n > 1;
+  if (n > stats->workers) stats->workers = n;
+  for (int64_t w = 1; w < n; w++) {
+    jobs[w] = (thread_job){worker, arg, w};
+    if (pthread_create(&threads[w], NULL, thread_main, &jobs[w]) != 0) abort();
+  }
+  worker(arg, 0);
+  for (int64_t w = 1; w < n; w++) pthread_join(threads[w], NULL);
+}
+
+static runner_stats g_runner_stats;
+static const cpumoe_runner g_threads = {pthread_run, &g_runner_stats, 3};
+
+/* ---- error messages: each failing call must write its own ----------------------------- */
+
+static char g_primed[512];
+
+/* Sets a known message (through another failing call) so that a check can tell that
+ * the call under test wrote its own. */
+static void prime_error(void) {
+  cpumoe_set_isa_cap((cpumoe_isa)77);
+  snprintf(g_primed, sizeof g_primed, "%s", cpumoe_last_error());
+}
+
+static void check_error_at(int line, const char *what, cpumoe_status got, cpumoe_status want,
+                           const char *needle) {
+  const char *msg = cpumoe_last_error();
+  check_at(line, got == want, "%s: status %d, expected %d (%s)", what, (int)got, (int)want, msg);
+  check_at(line, msg && msg[0] && strcmp(msg, g_primed) != 0, "%s: no message of its own", what);
+  check_at(line, msg && strstr(msg, needle) != NULL, "%s: message \"%s\" does not mention \"%s\"",
+           what, msg, needle);
+}
+#define CHECK_ERROR(what, got, want, needle) check_error_at(__LINE__, what, got, want, needle)
+
+/* ---- packers ------------------------------------------------------------------------ */
+
+static void test_packers(void) {
+  static const int64_t shapes2[][3] = {{1, 32, 32}, {2, 48, 64}, {3, 16, 96}, {2, 64, 160}};
+  for (size_t s = 0; s < sizeof shapes2 / sizeof shapes2[0]; s++) {
+    const int64_t E = shapes2[s][0], R = shapes2[s][1], C = shapes2[s][2];
+    const size_t n = (size_t)(E * R * C);
+    uint16_t *src = xmalloc(2 * n), *want = xmalloc(2 * n), *got = xmalloc(2 * n);
+    for (size_t i = 0; i < n; i++) src[i] = (uint16_t)rnd_u64();
+    ref_pack_vnni2(src, want, 2, E, R, C);
+    for (int threaded = 0; threaded < 2; threaded++) {
+      memset(got, 0xab, 2 * n);
+      const cpumoe_status st =
+          cpumoe_pack_vnni2_16bit(src, got, E, R, C, threaded ? &g_threads : NULL);
+      CHECK(st == CPUMOE_OK && memcmp(got, want, 2 * n) == 0,
+            "pack_vnni2_16bit E=%lld rows=%lld cols=%lld threaded=%d: bytes differ from FORMATS.md",
+            (long long)E, (long long)R, (long long)C, threaded);
+    }
+    uint8_t *src8 = (uint8_t *)src, *want8 = (uint8_t *)want, *got8 = (uint8_t *)got;
+    ref_pack_vnni2(src8, want8, 1, E, R, C);
+    for (int threaded = 0; threaded < 2; threaded++) {
+      memset(got8, 0xab, n);
+      const cpumoe_status st =
+          cpumoe_pack_vnni2_8bit(src8, got8, E, R, C, threaded ? &g_threads : NULL);
+      CHECK(st == CPUMOE_OK && memcmp(got8, want8, n) == 0,
+            "pack_vnni2_8bit E=%lld rows=%lld cols=%lld threaded=%d: bytes differ from FORMATS.md",
+            (long long)E, (long long)R, (long long)C, threaded);
+    }
+    free(src), free(want), free(got);
+  }
+
+  /* int8: the widest reduction allowed, a row of -128s (the most negative compensation) */
+  static const int64_t shapes4[][3] = {{1, 32, 32}, {2, 64, 96}, {3, 32, 160}, {1, 32, 65536}};
+  for (size_t s = 0; s < sizeof shapes4 / sizeof shapes4[0]; s++) {
+    const int64_t E = shapes4[s][0], R = shapes4[s][1], C = shapes4[s][2];
+    const size_t n = (size_t)(E * R * C), packed = (size_t)(E * R * (C + 4));
+    int8_t *src = xmalloc(n), *want = xmalloc(packed), *got = xmalloc(packed);
+    for (size_t i = 0; i < n; i++) src[i] = (int8_t)rnd_u64();
+    memset(src, 0x80, (size_t)C); /* row 0: all -128 */
+    ref_pack_vnni4(src, want, E, R, C);
+    for (int threaded = 0; threaded < 2; threaded++) {
+      memset(got, 0xab, packed);
+      const cpumoe_status st =
+          cpumoe_pack_vnni4_int8(src, got, E, R, C, threaded ? &g_threads : NULL);
+      CHECK(st == CPUMOE_OK && memcmp(got, want, packed) == 0,
+            "pack_vnni4_int8 E=%lld rows=%lld cols=%lld threaded=%d: bytes differ from FORMATS.md",
+            (long long)E, (long long)R, (long long)C, threaded);
+    }
+    free(src), free(want), free(got);
+  }
+
+  /* no experts: nothing to do, nothing written */
+  uint16_t a[32 * 32] = {0}, b[32 * 32];
+  memset(b, 0x5a, sizeof b);
+  CHECK(cpumoe_pack_vnni2_16bit(a, b, 0, 32, 32, NULL) == CPUMOE_OK &&
+            cpumoe_pack_vnni2_8bit((uint8_t *)a, (uint8_t *)b, 0, 32, 32, NULL) == CPUMOE_OK &&
+            cpumoe_pack_vnni4_int8((int8_t *)a, (int8_t *)b, 0, 32, 32, NULL) == CPUMOE_OK,
+        "packing 0 experts must succeed");
+  CHECK(b[0] == 0x5a5a && b[32 * 32 - 1] == 0x5a5a, "packing 0 experts wrote to dst");
+}
+
+static void test_packer_errors(void) {
+  static uint8_t src[64 * 64 * 2], dst[64 * 68 * 2];
+  typedef cpumoe_status (*pack16_fn)(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
+                                     const cpumoe_runner *);
+  const uint16_t *s16 = (const uint16_t *)src;
+  uint16_t *d16 = (uint16_t *)dst;
+  const int8_t *s8 = (const int8_t *)src;
+  int8_t *d8 = (int8_t *)dst;
+  const pack16_fn pack16 = cpumoe_pack_vnni2_16bit;
+
+  prime_error();
+  CHECK_ERROR("vnni2 experts=-1", pack16(s16, d16, -1, 32, 32, NULL), CPUMOE_EINVAL, "experts=-1");
+  prime_error();
+  CHECK_ERROR("vnni2 rows=0", pack16(s16, d16, 1, 0, 32, NULL), CPUMOE_EINVAL, "rows=0");
+  prime_error();
+  CHECK_ERROR("vnni2 cols=-32", pack16(s16, d16, 1, 32, -32, NULL), CPUMOE_EINVAL, "cols=-32");
+  prime_error();
+  CHECK_ERROR("vnni2 rows=24", pack16(s16, d16, 1, 24, 32, NULL), CPUMOE_EINVAL, "24");
+  prime_error();
+  CHECK_ERROR("vnni2 cols=48", pack16(s16, d16, 1, 32, 48, NULL), CPUMOE_EINVAL, "48");
+  prime_error();
+  CHECK_ERROR("vnni2 src NULL", pack16(NULL, d16, 1, 32, 32, NULL), CPUMOE_EINVAL, "NULL");
+  prime_error();
+  CHECK_ERROR("vnni2 dst NULL", pack16(s16, NULL, 1, 32, 32, NULL), CPUMOE_EINVAL, "NULL");
+  prime_error();
+  CHECK_ERROR("vnni2 8-bit rows=8", cpumoe_pack_vnni2_8bit(src, dst, 1, 8, 32, NULL), CPUMOE_EINVAL,
+              "8");
+  prime_error();
+  CHECK_ERROR("vnni2 8-bit dst NULL", cpumoe_pack_vnni2_8bit(src, NULL, 1, 32, 32, NULL),
+              CPUMOE_EINVAL, "NULL");
+  prime_error();
+  CHECK_ERROR("vnni4 rows=48", cpumoe_pack_vnni4_int8(s8, d8, 1, 48, 32, NULL), CPUMOE_EINVAL,
+              "48");
+  prime_error();
+  CHECK_ERROR("vnni4 cols=80", cpumoe_pack_vnni4_int8(s8, d8, 1, 32, 80, NULL), CPUMOE_EINVAL,
+              "80");
+  prime_error();
+  CHECK_ERROR("vnni4 cols=65568", cpumoe_pack_vnni4_int8(s8, d8, 1, 32, 65568, NULL),
+              CPUMOE_EUNSUPPORTED, "65568");
+  prime_error();
+  CHECK_ERROR("vnni4 experts=-2", cpumoe_pack_vnni4_int8(s8, d8, -2, 32, 32, NULL), CPUMOE_EINVAL,
+              "experts=-2");
+  prime_error();
+  CHECK_ERROR("vnni4 src NULL", cpumoe_pack_vnni4_int8(NULL, d8, 1, 32, 32, NULL), CPUMOE_EINVAL,
+              "NULL");
+}
+
+/* ---- fused experts: cases, data, reference ------------------------------------------ */
+
+enum {
+  BIAS = 1,        /* w1_bias and w2_bias */
+  SWIGLU = 2,      /* clamped swiglu on interleaved gate/up rows, else silu(gate) * up */
+  RESIDUAL = 4,    /* out += 0.75 * residual */
+  NO_IDS = 8,      /* topk_ids NULL: every slot is expert 0 */
+  NO_WEIGHTS = 16, /* topk_weights NULL: every weight is 1 */
+  OUT_IS_X = 32,   /* out (and residual, if any) alias x */
+  ONE_EXPERT = 64, /* every slot routed to expert E - 1 */
+};
+
+typedef struct moe_case {
+  const char *name;
+  cpumoe_scheme scheme;
+  cpumoe_dtype act;
+  int64_t M, K, N, E, topk;
+  cpumoe_dtype ids_dtype, weights_dtype;
+  double skip;              /* fraction of slots with id -1 */
+  int64_t block_n, block_k; /* FP8 */
+  int flags;
+} moe_case;
+
+#define BF16 CPUMOE_DTYPE_BF16
+#define F16 CPUMOE_DTYPE_F16
+#define F32 CPUMOE_DTYPE_F32
+#define F64 CPUMOE_DTYPE_F64
+#define I32 CPUMOE_DTYPE_I32
+#define I64 CPUMOE_DTYPE_I64
+#define UNQUANT CPUMOE_SCHEME_UNQUANT
+#define INT8 CPUMOE_SCHEME_INT8_W8A8
+#define FP8 CPUMOE_SCHEME_FP8_W8A16
+#define BIG_BLOCK (INT64_MAX - 1) /* one scale block per matrix, and ceil() must not overflow */
+
+/* K and N of 96 or 160 are multiples of 32 but not of 64; 1100 tokens are two chunks. */
+/* clang-format off */
+static const moe_case g_cases[] = {
+  /* name              scheme   act      M    K    N  E topk ids weights skip  block_n, _k, flags */
+  {"bf16 decode",      UNQUANT, BF16,    1,  64,  64, 4, 2, I32, F32,  0.0,  0,  0,  0},
+  {"bf16 tails",       UNQUANT, BF16,   13,  96, 160, 5, 3, I64, BF16, 0.2,  0,  0,
+   BIAS | RESIDUAL},
+  {"fp16 swiglu",      UNQUANT, F16,    17, 160,  96, 6, 2, I32, F16,  0.2,  0,  0,
+   BIAS | SWIGLU | RESIDUAL},
+  {"fp16 2 chunks",    UNQUANT, F16,  1100,  32,  32, 3, 1, I64, F64,  0.1,  0,  0,  RESIDUAL},
+  {"bf16 one expert",  UNQUANT, BF16,   70,  32,  64, 3, 1, I32, F32,  0.0,  0,  0,
+   BIAS | ONE_EXPERT},
+  {"bf16 dense",       UNQUANT, BF16,    5,  64,  32, 1, 1, I32, F32,  0.0,  0,  0,
+   NO_IDS | NO_WEIGHTS},
+  {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
+   BIAS | RESIDUAL | OUT_IS_X},
+  {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
+  {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
+  {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,
+   BIAS | SWIGLU | RESIDUAL},
+  {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,
+   BIAS | RESIDUAL},
+  {"int8 in place",    INT8,    F16,     6,  64,  64, 2, 2, I32, F64,  0.0,  0,  0,
+   RESIDUAL | OUT_IS_X},
+  {"fp8 decode",       FP8,     BF16,    3,  96,  96, 3, 2, I32, F32,  0.0,  32, 64, BIAS},
+  {"fp8 odd blocks",   FP8,     F16,    20, 160,  64, 4, 2, I64, F16,  0.2,  48, 6,
+   SWIGLU | RESIDUAL},
+  {"fp8 2 chunks",     FP8,     BF16, 1100,  32,  32, 2, 1, I64, F64,  0.1,  16, 16,
+   BIAS | RESIDUAL},
+  {"fp8 huge blocks",  FP8,     BF16,    7,  64,  96, 2, 2, I32, F32,  0.0,  BIG_BLOCK, BIG_BLOCK,
+   BIAS},
+  {"fp8 dense",        FP8,     F16,     2,  32,  32, 1, 1, I32, F32,  0.0,  16, 2,
+   RESIDUAL | NO_IDS | NO_WEIGHTS},
+};
+/* clang-format on */
+
+typedef struct moe_data {
+  cpumoe_moe_problem p;
+  const moe_case *c;
+  uint16_t *x, *x_saved, *out; /* x_saved: x before an in-place run */
+  double *w1, *w2;             /* logical weights [E, 2N, K], [E, K, N] (dequantized) */
+  int8_t *q1, *q2;             /* INT8: logical int8 weights ... */
+  float *s1, *s2;              /* ... per-channel scales; FP8: block scales */
+  void *w1_packed, *w2_packed;
+  float *b1, *b2;
+  uint16_t *residual;
+  void *ids, *weights;
+  double *expected; /* [M, K] unrounded */
+} moe_data;
+
+static int64_t slot_id(const moe_data *d, int64_t s) {
+  if (!d->p.topk_ids) return 0;
+  return d->p.topk_ids_dtype == I32 ? ((const int32_t *)d->ids)[s] : ((const int64_t *)d->ids)[s];
+}
+
+static double slot_weight(const moe_data *d, int64_t s) {
+  if (!d->p.topk_weights) return 1.0;
+  switch (d->p.topk_weights_dtype) {
+    case F32: return ((const float *)d->weights)[s];
+    case F64: return ((const double *)d->weights)[s];
+    default: return act_value(d->p.topk_weights_dtype, ((const uint16_t *)d->weights)[s]);
+  }
+}
+
+/* fp8 code with a value in [-3.75, 3.75] (exponent field <= 8), never NaN; zero and
+ * subnormals included */
+static uint8_t rnd_e4m3(void) {
+  const uint8_t b = (uint8_t)rnd_u64();
+  return (uint8_t)((b & 0x87) | (uint8_t)(rnd_below(9) << 3));
+}
+
+/* Logical weights of one matrix [E, rows, cols] for the case's scheme, and its packed form. */
+static void make_weights(const moe_case *c, int64_t rows, int64_t cols, double **logical,
+                         int8_t **q, float **scale, void **packed) {
+  const int64_t E = c->E, n = E * rows * cols;
+  *logical = xmalloc(sizeof(double) * (size_t)n);
+  const double range = 1.0 / sqrt((double)cols);
+  if (c->scheme == UNQUANT) {
+    uint16_t *bits = xmalloc(2 * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+      bits[i] = act_bits(c->act, rnd_uniform(-range, range));
+      (*logical)[i] = act_value(c->act, bits[i]);
+    }
+    *packed = xmalloc(2 * (size_t)n);
+    ref_pack_vnni2(bits, *packed, 2, E, rows, cols);
+    free(bits);
+  } else if (c->scheme == INT8) {
+    *q = xmalloc((size_t)n);
+    *scale = xmalloc(sizeof(float) * (size_t)(E * rows));
+    for (int64_t i = 0; i < n; i++) (*q)[i] = (int8_t)rnd_u64();
+    for (int64_t i = 0; i < E * rows; i++)
+      (*scale)[i] = (float)(rnd_uniform(0.5, 1.5) * range / 127);
+    for (int64_t i = 0; i < n; i++) (*logical)[i] = (*q)[i] * (double)(*scale)[i / cols];
+    *packed = xmalloc((size_t)(E * rows * (cols + 4)));
+    ref_pack_vnni4(*q, *packed, E, rows, cols);
+  } else {
+    /* scale blocks: a block larger than the matrix is one block */
+    const int64_t bn = c->block_n < rows ? c->block_n : rows,
+                  bk = c->block_k < cols ? c->block_k : cols;
+    const int64_t nb = (rows + bn - 1) / bn, kb = (cols + bk - 1) / bk;
+    uint8_t *codes = xmalloc((size_t)n);
+    *scale = xmalloc(sizeof(float) * (size_t)(E * nb * kb));
+    for (int64_t i = 0; i < E * nb * kb; i++) (*scale)[i] = (float)(rnd_uniform(0.5, 1.5) * range);
+    for (int64_t e = 0; e < E; e++)
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < cols; k++) {
+          const int64_t i = (e * rows + r) * cols + k;
+          codes[i] = rnd_e4m3();
+          /* FORMATS.md: e4m3(code) * scale, rounded once to fp32 */
+          const float s = (*scale)[(e * nb + r / bn) * kb + k / bk];
+          (*logical)[i] = (float)e4m3_value(codes[i]) * s;
+        }
+    *packed = xmalloc((size_t)n);
+    ref_pack_vnni2(codes, *packed, 1, E, rows, cols);
+    free(codes);
+  }
+}
+
+/* INT8 activations, as documented: per row, amax = max |v| (at least 1e-7), scale =
+ * amax / 127, q = clamp(round_half_even(v * 127 / amax), -127, 127); fp32 arithmetic. */
+static float quantize_row(const double *v, int64_t n, int32_t *q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf((float)v[i]));
+  if (!(amax >= 1e-7f)) amax = 1e-7f;
+  const float inv = 127.0f / amax;
+  for (int64_t i = 0; i < n; i++) {
+    float r = nearbyintf((float)v[i] * inv);
+    q[i] = (int32_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+  }
+  return amax / 127.0f;
+}
+
+/* out = W @ v for one expert's [rows, cols] matrix, in double; INT8 quantizes v first */
+static void matvec(const moe_data *d, int stage, int64_t e, const double *v, double *out) {
+  const moe_case *c = d->c;
+  const int64_t rows = stage == 1 ? 2 * c->N : c->K, cols = stage == 1 ? c->K : c->N;
+  if (c->scheme == INT8) {
+    int32_t *q = xmalloc(sizeof(int32_t) * (size_t)cols);
+    const double vs = quantize_row(v, cols, q);
+    const int8_t *w = (stage == 1 ? d->q1 : d->q2) + e * rows * cols;
+    const float *ws = (stage == 1 ? d->s1 : d->s2) + e * rows;
+    for (int64_t r = 0; r < rows; r++) {
+      int64_t acc = 0;
+      for (int64_t k = 0; k < cols; k++) acc += (int64_t)q[k] * w[r * cols + k];
+      out[r] = (double)acc * vs * ws[r];
+    }
+    free(q);
+    return;
+  }
+  const double *w = (stage == 1 ? d->w1 : d->w2) + e * rows * cols;
+  for (int64_t r = 0; r < rows; r++) {
+    double acc = 0.0;
+    for (int64_t k = 0; k < cols; k++) acc += w[r * cols + k] * v[k];
+    out[r] = acc;
+  }
+}
+
+static double sigmoid(double x) {
+  return 1.0 / (1.0 + exp(-x));
+}
+
+/* DESIGN.md section 1, with the rounding points of cpumoe.h: act(h) rounded to the
+ * activation dtype; everything else exact (double). */
+static void reference(moe_data *d) {
+  const moe_case *c = d->c;
+  const cpumoe_moe_problem *p = &d->p;
+  const int64_t K = c->K, N = c->N;
+  double *x = xmalloc(sizeof(double) * (size_t)K), *h = xmalloc(sizeof(double) * (size_t)(2 * N));
+  double *a = xmalloc(sizeof(double) * (size_t)N), *y = xmalloc(sizeof(double) * (size_t)K);
+  const uint16_t *residual = (c->flags & OUT_IS_X) ? d->x_saved : d->residual;
+  for (int64_t m = 0; m < c->M; m++) {
+    double *acc = d->expected + m * K;
+    for (int64_t k = 0; k < K; k++) {
+      x[k] = act_value(c->act, d->x_saved[m * K + k]);
+      acc[k] = p->residual ? p->residual_scale * act_value(c->act, residual[m * K + k]) : 0.0;
+    }
+    for (int64_t j = 0; j < c->topk; j++) {
+      const int64_t e = slot_id(d, m * c->topk + j);
+      if (e < 0) continue;
+      matvec(d, 1, e, x, h);
+      for (int64_t r = 0; r < 2 * N; r++) h[r] += d->b1 ? d->b1[e * 2 * N + r] : 0.0;
+      for (int64_t n = 0; n < N; n++) {
+        if (c->flags & SWIGLU) { /* interleaved rows: gate 2n, up 2n + 1 */
+          const double g = fmin(h[2 * n], p->limit);
+          const double u = fmax(fmin(h[2 * n + 1], p->limit), -p->limit);
+          a[n] = g * sigmoid(p->alpha * g) * (u + 1.0);
+        } else {
+          a[n] = h[n] * sigmoid(h[n]) * h[N + n];
+        }
+        a[n] = act_round(c->act, a[n]);
+      }
+      matvec(d, 2, e, a, y);
+      const double g = slot_weight(d, m * c->topk + j);
+      for (int64_t k = 0; k < K; k++) acc[k] += (y[k] + (d->b2 ? d->b2[e * K + k] : 0.0)) * g;
+    }
+  }
+  free(x), free(h), free(a), free(y);
+}
+
+static void make_data(const moe_case *c, moe_data *d) {
+  memset(d, 0, sizeof *d);
+  d->c = c;
+  const int64_t M = c->M, K = c->K, N = c->N, E = c->E, slots = M * c->topk;
+  d->x = xmalloc(2 * (size_t)(M * K));
+  d->x_saved = xmalloc(2 * (size_t)(M * K));
+  for (int64_t i = 0; i < M * K; i++) d->x[i] = act_bits(c->act, rnd_uniform(-1.0, 1.0));
+  memcpy(d->x_saved, d->x, 2 * (size_t)(M * K));
+  d->out = (c->flags & OUT_IS_X) ? d->x : xmalloc(2 * (size_t)(M * K));
+  make_weights(c, 2 * N, K, &d->w1, &d->q1, &d->s1, &d->w1_packed);
+  make_weights(c, K, N, &d->w2, &d->q2, &d->s2, &d->w2_packed);
+  if (c->flags & BIAS) {
+    d->b1 = xmalloc(sizeof(float) * (size_t)(E * 2 * N));
+    d->b2 = xmalloc(sizeof(float) * (size_t)(E * K));
+    for (int64_t i = 0; i < E * 2 * N; i++) d->b1[i] = (float)rnd_uniform(-0.5, 0.5);
+    for (int64_t i = 0; i < E * K; i++) d->b2[i] = (float)rnd_uniform(-0.5, 0.5);
+  }
+  if ((c->flags & RESIDUAL) && !(c->flags & OUT_IS_X)) {
+    d->residual = xmalloc(2 * (size_t)(M * K));
+    for (int64_t i = 0; i < M * K; i++) d->residual[i] = act_bits(c->act, rnd_uniform(-2.0, 2.0));
+  }
+  if (!(c->flags & NO_IDS)) {
+    d->ids = xmalloc(8 * (size_t)slots);
+    for (int64_t s = 0; s < slots; s++) {
+      const int64_t e = rnd_uniform(0, 1) < c->skip ? -1
+                        : (c->flags & ONE_EXPERT)   ? E - 1
+                                                    : rnd_below(E);
+      if (c->ids_dtype == I32)
+        ((int32_t *)d->ids)[s] = (int32_t)e;
+      else
+        ((int64_t *)d->ids)[s] = e;
+    }
+  }
+  if (!(c->flags & NO_WEIGHTS)) {
+    d->weights = xmalloc(8 * (size_t)slots);
+    for (int64_t s = 0; s < slots; s++) {
+      const double w = rnd_uniform(0.1, 1.0);
+      switch (c->weights_dtype) {
+        case F32: ((float *)d->weights)[s] = (float)w; break;
+        case F64: ((double *)d->weights)[s] = w; break;
+        default: ((uint16_t *)d->weights)[s] = act_bits(c->weights_dtype, w);
+      }
+    }
+  }
+  d->p = (cpumoe_moe_problem){
+      .M = M,
+      .K = K,
+      .N = N,
+      .E = E,
+      .topk = c->topk,
+      .scheme = c->scheme,
+      .act_dtype = c->act,
+      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL,
+      .alpha = 1.702f,
+      .limit = 0.5f, /* small enough that the clamps act on these magnitudes */
+      .x = d->x,
+      .w1 = d->w1_packed,
+      .w2 = d->w2_packed,
+      .w1_scale = d->s1,
+      .w2_scale = d->s2,
+      .block_n = c->block_n,
+      .block_k = c->block_k,
+      .topk_ids = d->ids,
+      .topk_ids_dtype = c->ids_dtype,
+      .topk_weights = d->weights,
+      .topk_weights_dtype = c->weights_dtype,
+      .w1_bias = d->b1,
+      .w2_bias = d->b2,
+      .residual = !(c->flags & RESIDUAL)  ? NULL
+                  : (c->flags & OUT_IS_X) ? d->x
+                                          : d->residual,
+      .residual_scale = 0.75f,
+      .out = d->out,
+  };
+  d->expected = xmalloc(sizeof(double) * (size_t)(M * K));
+  reference(d);
+}
+
+static void free_data(moe_data *d) {
+  if (d->out != d->x) free(d->out);
+  free(d->x), free(d->x_saved), free(d->w1), free(d->w2), free(d->q1), free(d->q2);
+  free(d->s1), free(d->s2), free(d->w1_packed), free(d->w2_packed), free(d->b1), free(d->b2);
+  free(d->residual), free(d->ids), free(d->weights), free(d->expected);
+}
+
+/* Runs the op with a fresh workspace of exactly the size asked for, `offset` bytes past a
+ * malloc'd block (so it ends where the block ends), filled with garbage; out starts as
+ * NaNs so an element the op forgot is caught. */
+static cpumoe_status run_op(moe_data *d, const cpumoe_runner *runner, size_t offset) {
+  const size_t bytes = cpumoe_fused_experts_workspace_size(&d->p);
+  CHECK(bytes > 0, "%s: workspace size 0 for a valid problem (%s)", d->c->name,
+        cpumoe_last_error());
+  char *block = xmalloc(bytes + offset);
+  memset(block, 0xff, bytes + offset);
+  const size_t out_bytes = 2 * (size_t)(d->c->M * d->c->K);
+  if (d->out == d->x)
+    memcpy(d->x, d->x_saved, out_bytes);
+  else
+    memset(d->out, 0xff, out_bytes);
+  const cpumoe_status st = cpumoe_fused_experts(&d->p, block + offset, bytes, runner);
+  free(block);
+  return st;
+}
+
+/* Largest |out - expected| over the output, relative to the output's scale (max |expected|). */
+static double relative_error(const moe_data *d) {
+  const int64_t n = d->c->M * d->c->K;
+  double scale = 1e-3, worst = 0.0;
+  for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(d->expected[i]));
+  for (int64_t i = 0; i < n; i++) {
+    const double err = fabs(act_value(d->c->act, d->out[i]) - d->expected[i]) / scale;
+    if (!(err <= worst)) worst = err; /* NaN sticks */
+  }
+  return worst;
+}
+
+/* Error budget in units of the output scale, from the ulp at 1 of the activation dtype
+ * (2^-8 bf16, 2^-11 fp16): rounding the output takes up to half an ulp, rounding act(h) a
+ * little more; INT8 gets twice the budget for quantization codes that land on the other
+ * side of a rounding boundary (the reference restates the quantization itself). */
+static double tolerance(const moe_case *c) {
+  const double ulp = c->act == BF16 ? 0x1p-8 : 0x1p-11;
+  return c->scheme == INT8 ? 4 * ulp : 2 * ulp;
+}
+
+static void test_case(const moe_case *c) {
+  moe_data d;
+  make_data(c, &d);
+  const size_t out_bytes = 2 * (size_t)(c->M * c->K);
+  uint16_t *first = NULL; /* scalar tier's output: every tier must give these bits */
+  const cpumoe_isa best = cpumoe_best_supported_isa();
+  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)best; isa++) {
+    cpumoe_set_isa_cap((cpumoe_isa)isa);
+    const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    CHECK(cpumoe_active_isa() == (cpumoe_isa)isa, "cap %s not applied", tier);
+    cpumoe_status st = run_op(&d, NULL, 0);
+    CHECK(st == CPUMOE_OK, "%s [%s]: status %d (%s)", c->name, tier, (int)st, cpumoe_last_error());
+    const double err = relative_error(&d);
+    if (g_verbose)
+      printf("  %-18s %-7s max error %.2e of scale (tolerance %.1e), cpu %.2f s\n", c->name, tier,
+             err, tolerance(c), (double)clock() / CLOCKS_PER_SEC);
+    CHECK(err <= tolerance(c), "%s [%s]: error %.3g of the output scale > %.3g", c->name, tier, err,
+          tolerance(c));
+    if (!first) {
+      first = xmalloc(out_bytes);
+      memcpy(first, d.out, out_bytes);
+    } else {
+      CHECK(memcmp(first, d.out, out_bytes) == 0, "%s: tier %s differs from scalar", c->name, tier);
+    }
+    /* several threads, unaligned workspace: the same bits */
+    g_runner_stats = (runner_stats){0, 0};
+    st = run_op(&d, &g_threads, 1);
+    CHECK(st == CPUMOE_OK && memcmp(first, d.out, out_bytes) == 0,
+          "%s [%s]: threaded run differs from serial (status %d)", c->name, tier, (int)st);
+    CHECK(c->M * c->topk < 2 || g_runner_stats.calls > 0, "%s: the runner was never used", c->name);
+  }
+  cpumoe_set_isa_cap(best);
+  free(first);
+  free_data(&d);
+}
+
+static void test_fused(void) {
+  for (size_t i = 0; i < sizeof g_cases / sizeof g_cases[0]; i++) test_case(&g_cases[i]);
+
+  /* M = 0: nothing to do for any scheme; NULL tensors allowed, nothing written */
+  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8};
+  float scale = 1.0f;
+  uint16_t sentinel = 0x1234;
+  for (size_t i = 0; i < 3; i++) {
+    const cpumoe_moe_problem p = {
+        .M = 0,
+        .K = 32,
+        .N = 32,
+        .E = 2,
+        .topk = 2,
+        .scheme = schemes[i],
+        .act_dtype = BF16,
+        .w1_scale = &scale,
+        .w2_scale = &scale,
+        .block_n = 128,
+        .block_k = 128,
+        .out = &sentinel,
+    };
+    const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
+    CHECK(bytes > 0, "M=0 scheme %d: workspace size 0 (%s)", (int)schemes[i], cpumoe_last_error());
+    void *ws = xmalloc(bytes);
+    CHECK(cpumoe_fused_experts(&p, ws, bytes, &g_threads) == CPUMOE_OK && sentinel == 0x1234,
+          "M=0 scheme %d failed or wrote (%s)", (int)schemes[i], cpumoe_last_error());
+    free(ws);
+  }
+}
+
+/* ---- fused experts: rejected inputs --------------------------------------------------- */
+
+static void test_fused_errors(void) {
+  const moe_case c = {"errors", UNQUANT, BF16, 2, 32, 32, 2, 2, I32, F32, 0.0, 0, 0, 0};
+  moe_data d;
+  make_data(&c, &d);
+  const cpumoe_moe_problem good = d.p;
+  cpumoe_moe_problem p;
+  const size_t bytes = cpumoe_fused_experts_workspace_size(&good);
+  char *ws = xmalloc(bytes);
+  float scale = 1.0f, bias = 0.0f;
+
+  /* Each mutation of the good problem: the status, a word of the message, and that the
+   * workspace query says 0. */
+#define REJECT(what, mutation, status, needle)                                             \
+  do {                                                                                     \
+    p = good;                                                                              \
+    mutation;                                                                              \
+    prime_error();                                                                         \
+    CHECK(cpumoe_fused_experts_workspace_size(&p) == 0, "%s: workspace size not 0", what); \
+    prime_error();                                                                         \
+    CHECK_ERROR(what, cpumoe_fused_experts(&p, ws, bytes, NULL), status, needle);          \
+  } while (0)
+
+  prime_error();
+  CHECK(cpumoe_fused_experts_workspace_size(NULL) == 0, "NULL problem: workspace size not 0");
+  prime_error();
+  CHECK_ERROR("NULL problem", cpumoe_fused_experts(NULL, ws, bytes, NULL), CPUMOE_EINVAL, "NULL");
+  REJECT("M<0", p.M = -1, CPUMOE_EINVAL, "M");
+  REJECT("K=0", p.K = 0, CPUMOE_EINVAL, "K=0");
+  REJECT("N<0", p.N = -32, CPUMOE_EINVAL, "N=-32");
+  REJECT("E=0", p.E = 0, CPUMOE_EINVAL, "E=0");
+  REJECT("topk=0", p.topk = 0, CPUMOE_EINVAL, "topk=0");
+  REJECT("K%32", p.K = 48, CPUMOE_EUNSUPPORTED, "K=48");
+  REJECT("N%32", p.N = 80, CPUMOE_EUNSUPPORTED, "N=80");
+  REJECT("scheme", p.scheme = (cpumoe_scheme)99, CPUMOE_EUNSUPPORTED, "99");
+  REJECT("act dtype", p.act_dtype = F32, CPUMOE_EINVAL, "activations");
+  REJECT("activation", p.activation = (cpumoe_activation)7, CPUMOE_EINVAL, "activation 7");
+  REJECT("w1_bias only", p.w1_bias = &bias, CPUMOE_EINVAL, "w1_bias");
+  REJECT("w2_bias only", p.w2_bias = &bias, CPUMOE_EINVAL, "w2_bias");
+  REJECT("ids dtype", p.topk_ids_dtype = F32, CPUMOE_EINVAL, "topk_ids");
+  REJECT("weights dtype", p.topk_weights_dtype = I64, CPUMOE_EINVAL, "topk_weights");
+  REJECT("x NULL", p.x = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT("w1 NULL", p.w1 = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT("w2 NULL", p.w2 = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT("out NULL", p.out = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT("int8 no w1_scale", (p.scheme = INT8, p.w2_scale = &scale), CPUMOE_EINVAL, "w1_scale");
+  REJECT("int8 no w2_scale", (p.scheme = INT8, p.w1_scale = &scale), CPUMOE_EINVAL, "w2_scale");
+  REJECT("int8 K>65536", (p.scheme = INT8, p.w1_scale = p.w2_scale = &scale, p.K = 65568),
+         CPUMOE_EUNSUPPORTED, "65568");
+  REJECT("int8 N>65536", (p.scheme = INT8, p.w1_scale = p.w2_scale = &scale, p.N = 65568),
+         CPUMOE_EUNSUPPORTED, "65568");
+  REJECT("fp8 no scales", (p.scheme = FP8, p.block_n = p.block_k = 128), CPUMOE_EINVAL, "scale");
+  REJECT("fp8 block_k odd",
+         (p.scheme = FP8, p.w1_scale = p.w2_scale = &scale, p.block_n = 128, p.block_k = 127),
+         CPUMOE_EUNSUPPORTED, "127");
+  REJECT("fp8 block_k 0",
+         (p.scheme = FP8, p.w1_scale = p.w2_scale = &scale, p.block_n = 128, p.block_k = 0),
+         CPUMOE_EUNSUPPORTED, "block");
+  REJECT("fp8 block_n 0",
+         (p.scheme = FP8, p.w1_scale = p.w2_scale = &scale, p.block_n = 0, p.block_k = 128),
+         CPUMOE_EUNSUPPORTED, "block");
+#undef REJECT
+
+  /* ids out of range: found before any kernel runs, so out keeps its contents */
+  static const int64_t bad_ids[] = {2, -2, INT64_C(1) << 40, INT64_MIN};
+  for (size_t i = 0; i < sizeof bad_ids / sizeof bad_ids[0]; i++)
+    for (int wide = 0; wide < 2; wide++) {
+      if (!wide && (bad_ids[i] > INT32_MAX || bad_ids[i] < INT32_MIN)) continue;
+      int32_t ids32[4] = {0, 1, 1, 0};
+      int64_t ids64[4] = {0, 1, 1, 0};
+      ids32[3] = (int32_t)bad_ids[i], ids64[3] = bad_ids[i];
+      p = good;
+      p.topk_ids = wide ? (const void *)ids64 : (const void *)ids32;
+      p.topk_ids_dtype = wide ? I64 : I32;
+      memset(d.out, 0x33, 2 * 2 * 32);
+      prime_error();
+      CHECK_ERROR("id out of range", cpumoe_fused_experts(&p, ws, bytes, NULL), CPUMOE_EINVAL,
+                  "topk_ids[1, 1]");
+      int untouched = 1;
+      for (int k = 0; k < 2 * 32; k++) untouched &= d.out[k] == 0x3333;
+      CHECK(untouched, "id %lld out of range: out was written", (long long)bad_ids[i]);
+    }
+
+  /* workspace: missing or one byte short fails; exactly the size asked for works */
+  prime_error();
+  CHECK_ERROR("workspace NULL", cpumoe_fused_experts(&good, NULL, bytes, NULL), CPUMOE_EWORKSPACE,
+              "workspace");
+  prime_error();
+  CHECK_ERROR("workspace short", cpumoe_fused_experts(&good, ws, bytes - 1, NULL),
+              CPUMOE_EWORKSPACE, "workspace");
+  CHECK(cpumoe_fused_experts(&good, ws, bytes, NULL) == CPUMOE_OK, "exact workspace: %s",
+        cpumoe_last_error());
+  free(ws);
+  free_data(&d);
+}
+
+/* ---- sizes whose products overflow --------------------------------------------------- */
+
+static void test_sizes(void) {
+  /* Non-NULL pointers to nothing: each problem must be rejected before any is read. */
+  static char dummy[64];
+  const cpumoe_moe_problem base = {
+      .M = 1,
+      .K = 32,
+      .N = 32,
+      .E = 2,
+      .topk = 1,
+      .scheme = UNQUANT,
+      .act_dtype = BF16,
+      .x = dummy,
+      .w1 = dummy,
+      .w2 = dummy,
+      .out = dummy,
+      .topk_ids = dummy,
+      .topk_ids_dtype = I64,
+      .residual_scale = 1.0f,
+  };
+  static char ws[64];
+  cpumoe_moe_problem p;
+  const int64_t big = INT64_C(1) << 30;
+#define REJECT_SIZE(what, mutation, status, needle)                                        \
+  do {                                                                                     \
+    p = base;                                                                              \
+    mutation;                                                                              \
+    prime_error();                                                                         \
+    CHECK(cpumoe_fused_experts_workspace_size(&p) == 0, "%s: workspace size not 0", what); \
+    prime_error();                                                                         \
+    CHECK_ERROR(what, cpumoe_fused_experts(&p, ws, sizeof ws, NULL), status, needle);      \
+  } while (0)
+  REJECT_SIZE("x bytes", (p.M = INT64_MAX / 4, p.K = 64), CPUMOE_EINVAL, "M=2305843009213693951");
+  REJECT_SIZE("ids bytes", (p.M = INT64_C(1) << 50, p.topk = 16384), CPUMOE_EINVAL, "topk=16384");
+  REJECT_SIZE("topk", p.topk = 16385, CPUMOE_EUNSUPPORTED, "topk=16385");
+  REJECT_SIZE("K", p.K = 2 * big, CPUMOE_EUNSUPPORTED, "K=2147483648");
+  REJECT_SIZE("N", p.N = 2 * big, CPUMOE_EUNSUPPORTED, "N=2147483648");
+  REJECT_SIZE("E", p.E = INT64_MAX, CPUMOE_EUNSUPPORTED, "E=9223372036854775807");
+  REJECT_SIZE("E int32", p.E = INT64_C(1) << 31, CPUMOE_EUNSUPPORTED, "E=2147483648");
+  REJECT_SIZE("w1 bytes", (p.E = INT32_MAX, p.N = big, p.K = big), CPUMOE_EINVAL, "w1");
+  REJECT_SIZE("int8 w1 bytes",
+              (p.scheme = INT8, p.w1_scale = p.w2_scale = (const float *)dummy, p.E = INT32_MAX,
+               p.N = 65536, p.K = 65536 - 32),
+              CPUMOE_EINVAL, "w1");
+  /* fp8 weights fit (2^62 bytes) but their 2x2 block scales would need 2^63 */
+  REJECT_SIZE(
+      "fp8 scale bytes",
+      (p.scheme = FP8, p.w1_scale = p.w2_scale = (const float *)dummy, p.block_n = 1, p.block_k = 2,
+       p.E = INT64_C(1) << 26, p.N = INT64_C(1) << 15, p.K = INT64_C(1) << 20),
+      CPUMOE_EINVAL, "w1_scale");
+#undef REJECT_SIZE
+
+  /* at the limits, the workspace query works and its size has not wrapped: it holds at
+   * least the fp32 A panel and y of a full chunk, 2 x 4 bytes x 2^24 slots x K */
+  p = base;
+  p.M = 1024, p.topk = 16384, p.K = big, p.N = big, p.E = 1;
+  const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
+  CHECK(bytes >= (size_t)8 << 54, "workspace at the size limits: %zu bytes (%s)", bytes,
+        cpumoe_last_error());
+
+  /* packers: E x rows x cols more bytes than any tensor */
+  prime_error();
+  CHECK_ERROR("vnni2 bytes",
+              cpumoe_pack_vnni2_16bit((const uint16_t *)dummy, (uint16_t *)ws, INT64_C(1) << 40,
+                                      65536, 65536, NULL),
+              CPUMOE_EINVAL, "65536");
+  prime_error();
+  CHECK_ERROR("vnni2 8-bit bytes",
+              cpumoe_pack_vnni2_8bit((const uint8_t *)dummy, (uint8_t *)ws, INT64_C(1) << 40,
+                                     INT64_C(1) << 30, 65536, NULL),
+              CPUMOE_EINVAL, "65536");
+  prime_error();
+  CHECK_ERROR("vnni4 bytes",
+              cpumoe_pack_vnni4_int8((const int8_t *)dummy, (int8_t *)ws, INT64_C(1) << 40,
+                                     INT64_C(1) << 30, 32768, NULL),
+              CPUMOE_EINVAL, "32768");
+}
+
+/* ---- ISA queries -------------------------------------------------------------------- */
+
+static void test_isa(void) {
+  const cpumoe_isa best = cpumoe_best_supported_isa();
+  CHECK(best >= CPUMOE_ISA_SCALAR && best < CPUMOE_ISA_COUNT, "best tier %d", (int)best);
+  for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
+    const char *name = cpumoe_isa_name((cpumoe_isa)i);
+    CHECK(name && name[0] && cpumoe_isa_from_name(name) == (cpumoe_isa)i,
+          "tier %d: name \"%s\" does not parse back", i, name ? name : "(null)");
+  }
+  CHECK(strcmp(cpumoe_isa_name(CPUMOE_ISA_SCALAR), "scalar") == 0 &&
+            strcmp(cpumoe_isa_name(CPUMOE_ISA_AVX2), "avx2") == 0 &&
+            strcmp(cpumoe_isa_name(CPUMOE_ISA_AVX512), "avx512") == 0,
+        "tier names");
+  CHECK(strcmp(cpumoe_isa_name(CPUMOE_ISA_COUNT), "unknown") == 0, "name of an unknown tier");
+  CHECK(cpumoe_isa_from_name("avx9") == CPUMOE_ISA_COUNT &&
+            cpumoe_isa_from_name("") == CPUMOE_ISA_COUNT &&
+            cpumoe_isa_from_name(NULL) == CPUMOE_ISA_COUNT,
+        "unknown tier names must give CPUMOE_ISA_COUNT");
+
+  const char *features = cpumoe_cpu_features();
+  CHECK(features != NULL, "cpu features NULL");
+  if (features) {
+    CHECK(best < CPUMOE_ISA_AVX2 || (strstr(features, "avx2") && strstr(features, "fma")),
+          "best tier avx2+ but features \"%s\"", features);
+    CHECK(best < CPUMOE_ISA_AVX512 || strstr(features, "avx512vnni"),
+          "best tier avx512 but features \"%s\"", features);
+  }
+
+  for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
+    CHECK(cpumoe_set_isa_cap((cpumoe_isa)i) == CPUMOE_OK, "cap %d refused", i);
+    const cpumoe_isa want = (cpumoe_isa)i < best ? (cpumoe_isa)i : best;
+    CHECK(cpumoe_active_isa() == want, "cap %d: active %d, expected %d", i,
+          (int)cpumoe_active_isa(), (int)want);
+    const char *reason = cpumoe_isa_reason();
+    CHECK(reason && strncmp(reason, cpumoe_isa_name(want), strlen(cpumoe_isa_name(want))) == 0,
+          "cap %d: reason \"%s\" does not start with the active tier", i, reason ? reason : "");
+  }
+  prime_error();
+  CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, "3");
+  prime_error();
+  CHECK_ERROR("cap -1", cpumoe_set_isa_cap((cpumoe_isa)-1), CPUMOE_EINVAL, "-1");
+  CHECK(cpumoe_active_isa() == best, "a refused cap changed the active tier");
+  cpumoe_set_isa_cap(best);
+}
+
+/* ---- probes (tiny sizes) ---------------------------------------------------------------- */
+
+static void test_probes(void) {
+  enum { WORDS = 1024 };
+  static uint64_t buffer[WORDS];
+  for (int i = 0; i < WORDS; i++) buffer[i] = (uint64_t)i + 1;
+  const cpumoe_isa best = cpumoe_best_supported_isa();
+  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)best; isa++) {
+    cpumoe_set_isa_cap((cpumoe_isa)isa);
+    const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    /* each of n workers reads its share, rounded down to 512 bytes, `passes` times */
+    for (int threaded = 0; threaded < 2; threaded++) {
+      const int64_t workers = threaded ? g_threads.num_threads : 1;
+      const int64_t share = (int64_t)((sizeof buffer / (size_t)workers) & ~(size_t)511) / 8;
+      double want = 0.0;
+      for (int64_t i = 0; i < workers * share; i++) want += (double)buffer[i];
+      const double got = cpumoe_probe_read(buffer, sizeof buffer, 3, threaded ? &g_threads : NULL);
+      CHECK(got == 3 * want, "probe_read [%s] threads=%lld: checksum %.0f, expected %.0f", tier,
+            (long long)workers, got, 3 * want);
+    }
+    const double fma1 = cpumoe_probe_fma(1000, NULL), fma2 = cpumoe_probe_fma(2000, NULL);
+    CHECK(fma1 > 0 && fma2 == 2 * fma1, "probe_fma [%s]: %.0f then %.0f flops", tier, fma1, fma2);
+    CHECK(cpumoe_probe_fma(1000, &g_threads) == 3 * fma1, "probe_fma [%s]: 3 workers", tier);
+    const double int1 = cpumoe_probe_int8(1000, NULL), int2 = cpumoe_probe_int8(2000, NULL);
+    CHECK(int1 > 0 && int2 == 2 * int1, "probe_int8 [%s]: %.0f then %.0f ops", tier, int1, int2);
+    CHECK(cpumoe_probe_int8(1000, &g_threads) == 3 * int1, "probe_int8 [%s]: 3 workers", tier);
+  }
+  cpumoe_set_isa_cap(best);
+}
+
+int main(int argc, char **argv) {
+  static const struct {
+    const char *name;
+    void (*run)(void);
+  } sections[] = {
+      {"packers", test_packers},     {"packers", test_packer_errors}, {"fused", test_fused},
+      {"errors", test_fused_errors}, {"sizes", test_sizes},           {"isa", test_isa},
+      {"probes", test_probes},
+  };
+  setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines survive a sanitizer abort */
+  const char *only = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "-v") == 0)
+      g_verbose = 1;
+    else
+      only = argv[i];
+  }
+  int ran = 0;
+  for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++) {
+    if (only && strcmp(only, sections[i].name) != 0) continue;
+    sections[i].run();
+    ran++;
+  }
+  if (!ran) {
+    fprintf(stderr, "no section named %s\n", only);
+    return 2;
+  }
+  printf("cpumoe C tests: %d checks, %d failed (tier %s, best %s)\n", g_checks, g_failures,
+         cpumoe_isa_name(cpumoe_active_isa()), cpumoe_isa_name(cpumoe_best_supported_isa()));
+  return g_failures ? 1 : 0;
+}
