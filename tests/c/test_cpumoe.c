@@ -1017,6 +1017,9 @@ static void test_probes(void) {
     const double int1 = cpumoe_probe_int8(1000, NULL), int2 = cpumoe_probe_int8(2000, NULL);
     CHECK(int1 > 0 && int2 == 2 * int1, "probe_int8 [%s]: %.0f then %.0f ops", tier, int1, int2);
     CHECK(cpumoe_probe_int8(1000, &g_threads) == 3 * int1, "probe_int8 [%s]: 3 workers", tier);
+    /* long enough that 32-bit accumulators wrap (the benchmark runs ~1e8 iterations) */
+    const double long_run = cpumoe_probe_int8(12000000, NULL);
+    CHECK(long_run == 12000 * int1, "probe_int8 [%s]: %.0f ops in 12e6 iterations", tier, long_run);
   }
   cpumoe_set_isa_cap(best);
 }

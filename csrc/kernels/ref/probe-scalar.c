@@ -31,13 +31,14 @@ double cm_probe_fma_loop__scalar(int64_t iterations) {
   return (double)iterations * 8.0 * 2.0;
 }
 
-/* int8 peak of the scalar tier: 8 independent integer multiply-add chains. */
+/* int8 peak of the scalar tier: 8 independent integer multiply-add chains (unsigned: the
+ * sums wrap after ~1e7 iterations, which must not be signed overflow). */
 double cm_probe_int8_loop__scalar(int64_t iterations) {
-  volatile int32_t seed = 3;
-  int32_t x = seed, acc[8];
-  for (int i = 0; i < 8; i++) acc[i] = i;
+  volatile uint32_t seed = 3;
+  uint32_t x = seed, acc[8];
+  for (int i = 0; i < 8; i++) acc[i] = (uint32_t)i;
   for (int64_t it = 0; it < iterations; it++)
-    for (int i = 0; i < 8; i++) acc[i] += x * (int32_t)(it & 127);
+    for (int i = 0; i < 8; i++) acc[i] += x * (uint32_t)(it & 127);
   for (int i = 1; i < 8; i++) acc[0] += acc[i];
   seed = acc[0];
   return (double)iterations * 8.0 * 2.0;
