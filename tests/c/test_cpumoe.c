@@ -1011,6 +1011,7 @@ static void test_probes(void) {
       CHECK(got == 3 * want, "probe_read [%s] threads=%lld: checksum %.0f, expected %.0f", tier,
             (long long)workers, got, 3 * want);
     }
+    CHECK(cpumoe_probe_read(NULL, sizeof buffer, 1, &g_threads) == 0.0, "probe_read(NULL)");
     const double fma1 = cpumoe_probe_fma(1000, NULL), fma2 = cpumoe_probe_fma(2000, NULL);
     CHECK(fma1 > 0 && fma2 == 2 * fma1, "probe_fma [%s]: %.0f then %.0f flops", tier, fma1, fma2);
     CHECK(cpumoe_probe_fma(1000, &g_threads) == 3 * fma1, "probe_fma [%s]: 3 workers", tier);

@@ -199,7 +199,7 @@ const char *cpumoe_cpu_features(void);
 
 /* ---- probes (for the benchmark's roofline) ----------------------------------------*/
 /* Reads `bytes` from `buffer` `passes` times on every worker (buffer split evenly
- * across workers); returns the checksum so the reads cannot be elided. */
+ * across workers); returns the checksum so the reads cannot be elided (0 if buffer is NULL). */
 double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
                          const cpumoe_runner *runner);
 /* Runs `iterations` of a register-only fp32 FMA loop on each worker, using the active

@@ -222,6 +222,7 @@ static double run_probe(const cpumoe_runner *runner, cpumoe_worker_fn fn, probe_
 
 double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
                          const cpumoe_runner *runner) {
+  if (!buffer) return 0.0; /* nothing to read (run_probe takes a NULL buffer for "no buffer") */
   probe_job job = {.buffer = (const char *)buffer, .bytes_per_worker = bytes, .passes = passes};
   return run_probe(runner, probe_read_worker, &job);
 }
