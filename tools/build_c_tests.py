@@ -5,7 +5,7 @@ Every kernel source is compiled with exactly its tier's flags, as setup.py does 
 them from tools/kernel_build.py), plus SANITIZE; the driver sees only the public header.
 Objects go to BUILD_DIR (default build/c-tests); nothing is cached.
 
-Usage: python tools/build_c_tests.py [--build-dir DIR] [--no-run] [DRIVER_ARGS...]
+Usage: python tools/build_c_tests.py [--build-dir DIR] [--no-run] [SECTION] [-v]
 Exit status: the driver's (1 when a check failed; a sanitizer report aborts it).
 """
 
@@ -27,8 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "c-tests")
     parser.add_argument("--no-run", action="store_true", help="build only")
-    parser.add_argument("driver_args", nargs="*", help="passed to the driver (e.g. a section, -v)")
-    args = parser.parse_args()
+    args, driver_args = parser.parse_known_args()  # the rest goes to the driver (a section, -v)
     cc = os.environ.get("CC", "cc")
     out = args.build_dir
 
@@ -61,7 +60,7 @@ def main() -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
-    return subprocess.run([str(exe), *args.driver_args], env=env).returncode
+    return subprocess.run([str(exe), *driver_args], env=env).returncode
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
  * cpumoe/cpumoe.h through that header only (no kernel headers) and checks the
  * results against scalar re-statements written here:
  *
- *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16 against a
- *                  double-precision reference (tolerance relative to the output's scale):
+ *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16, INT4 W4A8
+ *                  against a double-precision reference (tolerance relative to the output's
+ *                  scale):
  *                  bias, silu and clamped swiglu, residual, int32/int64 topk_ids with -1
  *                  slots, f32/f64/bf16/f16 topk weights, NULL ids/weights, out aliasing x,
  *                  M = 0, 1 and more than one 1024-token chunk, K and N multiples of 32 but
@@ -12,15 +13,15 @@
  *                  and with a pthread runner (bit-identical to serial); a workspace of
  *                  exactly the size asked for (malloc'd, so ASan sees any overrun),
  *                  aligned and not, filled with garbage.
- *   packers        VNNI-2 (16-bit, 8-bit) and VNNI-4 int8 + compensation, byte for byte
- *                  against the formulas of docs/FORMATS.md.
+ *   packers        VNNI-2 (16-bit, 8-bit), VNNI-4 int8 + compensation, INT4 from AWQ and
+ *                  GPTQ checkpoints, byte for byte against the formulas of docs/FORMATS.md.
  *   errors         each rejected input returns its documented status with a message of
- *                  its own naming the argument, and writes nothing.
+ *                  its own naming the argument; an id out of range writes nothing.
  *   sizes          sizes whose products overflow int64/size_t are rejected.
  *   ISA, probes    tier names, cap, reason and feature strings; probe checksums and counts.
  *
- * Prints one summary line; exits 1 on any failure. Optional argument: the name of one
- * section to run (packers, fused, errors, sizes, isa, probes).
+ * Prints one summary line; exits 1 on any failure. Optional arguments: the name of one
+ * section to run (packers, fused, errors, sizes, isa, probes); -v prints each case's error.
  * Build and run with sanitizers: python tools/build_c_tests.py
  */
 #include <math.h>
@@ -33,6 +34,18 @@
 #include <time.h>
 
 #include "cpumoe/cpumoe.h"
+
+/* short names for the tables below */
+#define BF16 CPUMOE_DTYPE_BF16
+#define F16 CPUMOE_DTYPE_F16
+#define F32 CPUMOE_DTYPE_F32
+#define F64 CPUMOE_DTYPE_F64
+#define I32 CPUMOE_DTYPE_I32
+#define I64 CPUMOE_DTYPE_I64
+#define UNQUANT CPUMOE_SCHEME_UNQUANT
+#define INT8 CPUMOE_SCHEME_INT8_W8A8
+#define FP8 CPUMOE_SCHEME_FP8_W8A16
+#define INT4 CPUMOE_SCHEME_INT4_W4A8
 
 /* ---- checks ---------------------------------------------------------------------- */
 
@@ -176,6 +189,44 @@ static void ref_pack_vnni4(const int8_t *src, int8_t *dst, int64_t experts, int6
     }
 }
 
+/* INT4: per expert and 32 output columns (tile t), per block of bk = min(group, 128) k:
+ * byte kk*64 + 4l + b holds w[k][32t + c(l)] in its low nibble and w[k][32t + c(l) + 8] in
+ * its high nibble (k = 4kk + b in the block, c(l) = l < 8 ? l : l + 8), then int32
+ * comp[n] = sum over the block's k of (w - zero); zeros int8 and scales fp32 [tile][G][32].
+ * w: nibbles [E, rows, cols]; zero, scale: [E, rows, G]. */
+static void ref_pack_int4(const uint8_t *w, const int8_t *zero, const float *scale, int64_t experts,
+                          int64_t rows, int64_t cols, int64_t groups, uint8_t *packed,
+                          int8_t *packed_zero, float *packed_scale) {
+  const int64_t group = cols / groups, bk = group < 128 ? group : 128;
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t t = 0; t < rows / 32; t++) {
+      const int64_t tile = e * (rows / 32) + t;
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t n = 0; n < 32; n++) {
+          const int64_t i = (e * rows + 32 * t + n) * groups + g;
+          packed_zero[(tile * groups + g) * 32 + n] = zero[i];
+          packed_scale[(tile * groups + g) * 32 + n] = scale[i];
+        }
+      for (int64_t kb = 0; kb < cols / bk; kb++) {
+        uint8_t *block = packed + (tile * (cols / bk) + kb) * (16 * bk + 128);
+        for (int64_t k = 0; k < bk; k++)
+          for (int l = 0; l < 16; l++) {
+            const int64_t row = e * rows + 32 * t + (l < 8 ? l : l + 8);
+            const int64_t kk = kb * bk + k;
+            block[(k / 4) * 64 + 4 * l + k % 4] =
+                (uint8_t)(w[row * cols + kk] | w[(row + 8) * cols + kk] << 4);
+          }
+        for (int64_t n = 0; n < 32; n++) {
+          const int64_t row = e * rows + 32 * t + n;
+          int32_t comp = 0;
+          for (int64_t k = kb * bk; k < (kb + 1) * bk; k++)
+            comp += w[row * cols + k] - zero[row * groups + k / group];
+          memcpy(block + 16 * bk + 4 * n, &comp, 4);
+        }
+      }
+    }
+}
+
 /* ---- a runner on pthreads: worker w on its own thread, w = 0 on the caller ---------- */
 
 #define MAX_THREADS 8
@@ -297,6 +348,83 @@ static void test_packers(void) {
   CHECK(b[0] == 0x5a5a && b[32 * 32 - 1] == 0x5a5a, "packing 0 experts wrote to dst");
 }
 
+/* INT4 checkpoints (cpumoe.h, FORMATS.md): AWQ qweight [IC][OC/8], column 8c + j in nibble
+ * awq_nibble[j] of word c; GPTQ qweight [IC/8][OC], k = 8r + i in nibble i of row r; qzeros
+ * [G][OC/8] in the same column order (AWQ: zero; GPTQ: zero - 1); scales [G][OC]. */
+static const int awq_nibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static void test_pack_int4(void) {
+  static const int64_t shapes[][4] = {
+      {2, 64, 64, 2}, {1, 32, 256, 1}, {1, 32, 8, 2}, {1, 96, 96, 1}};
+  static const cpumoe_dtype scale_dtypes[] = {BF16, F16, F32};
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+    for (int gptq = 0; gptq < 2; gptq++)
+      for (size_t sd = 0; sd < 3; sd++) {
+        const int64_t E = shapes[s][0], OC = shapes[s][1], IC = shapes[s][2], G = shapes[s][3];
+        const int64_t group = IC / G, bk = cpumoe_int4_block_k(group);
+        const cpumoe_dtype dt = scale_dtypes[sd];
+        uint8_t *w = xmalloc((size_t)(E * OC * IC));
+        int8_t *zero = xmalloc((size_t)(E * OC * G));
+        float *scale = xmalloc(sizeof(float) * (size_t)(E * OC * G));
+        int32_t *qweight = calloc((size_t)(E * IC * OC / 8), 4);
+        int32_t *qzeros = calloc((size_t)(E * G * OC / 8), 4);
+        char *scales = xmalloc(4 * (size_t)(E * G * OC));
+        if (!qweight || !qzeros) abort();
+        for (int64_t e = 0; e < E; e++)
+          for (int64_t n = 0; n < OC; n++) {
+            for (int64_t k = 0; k < IC; k++) {
+              const int v = (int)rnd_below(16);
+              w[(e * OC + n) * IC + k] = (uint8_t)v;
+              if (gptq)
+                qweight[(e * IC / 8 + k / 8) * OC + n] |= (int32_t)((uint32_t)v << (4 * (k % 8)));
+              else
+                qweight[(e * IC + k) * (OC / 8) + n / 8] |=
+                    (int32_t)((uint32_t)v << (4 * awq_nibble[n % 8]));
+            }
+            for (int64_t g = 0; g < G; g++) {
+              const int z = (int)rnd_below(16); /* stored nibble */
+              zero[(e * OC + n) * G + g] = (int8_t)(gptq ? z + 1 : z);
+              qzeros[(e * G + g) * (OC / 8) + n / 8] |=
+                  (int32_t)((uint32_t)z << (4 * (gptq ? n % 8 : awq_nibble[n % 8])));
+              const int64_t i = (e * G + g) * OC + n;
+              const double v = rnd_uniform(1e-3, 1e-1);
+              if (dt == F32)
+                ((float *)scales)[i] = (float)v;
+              else
+                ((uint16_t *)scales)[i] = act_bits(dt, v);
+              scale[(e * OC + n) * G + g] =
+                  dt == F32 ? (float)v : (float)act_value(dt, ((uint16_t *)scales)[i]);
+            }
+          }
+        const size_t bytes = (size_t)(E * (OC / 32) * (IC / bk) * (16 * bk + 128));
+        const size_t side = (size_t)(E * OC * G);
+        uint8_t *want = xmalloc(bytes), *got = xmalloc(bytes);
+        int8_t *want_z = xmalloc(side), *got_z = xmalloc(side);
+        float *want_s = xmalloc(4 * side), *got_s = xmalloc(4 * side);
+        ref_pack_int4(w, zero, scale, E, OC, IC, G, want, want_z, want_s);
+        for (int threaded = 0; threaded < 2; threaded++) {
+          memset(got, 0xab, bytes), memset(got_z, 0xab, side), memset(got_s, 0xab, 4 * side);
+          const cpumoe_status st =
+              cpumoe_pack_int4(gptq ? CPUMOE_INT4_GPTQ : CPUMOE_INT4_AWQ, qweight, qzeros, scales,
+                               dt, E, OC, IC, G, got, got_z, got_s, threaded ? &g_threads : NULL);
+          CHECK(st == CPUMOE_OK && memcmp(got, want, bytes) == 0 &&
+                    memcmp(got_z, want_z, side) == 0 && memcmp(got_s, want_s, 4 * side) == 0,
+                "pack_int4 %s E=%lld OC=%lld IC=%lld G=%lld scales %d threaded=%d: differs from "
+                "FORMATS.md (status %d)",
+                gptq ? "GPTQ" : "AWQ", (long long)E, (long long)OC, (long long)IC, (long long)G,
+                (int)dt, threaded, (int)st);
+        }
+        free(w), free(zero), free(scale), free(qweight), free(qzeros), free(scales);
+        free(want), free(got), free(want_z), free(got_z), free(want_s), free(got_s);
+      }
+
+  static const int64_t block_k[][2] = {{4, 4},     {32, 32}, {96, 96}, {128, 128}, {256, 128},
+                                       {384, 128}, {192, 0}, {6, 0},   {0, 0},     {-4, 0}};
+  for (size_t i = 0; i < sizeof block_k / sizeof block_k[0]; i++)
+    CHECK(cpumoe_int4_block_k(block_k[i][0]) == block_k[i][1], "int4_block_k(%lld) = %lld",
+          (long long)block_k[i][0], (long long)cpumoe_int4_block_k(block_k[i][0]));
+}
+
 static void test_packer_errors(void) {
   static uint8_t src[64 * 64 * 2], dst[64 * 68 * 2];
   typedef cpumoe_status (*pack16_fn)(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
@@ -342,6 +470,38 @@ static void test_packer_errors(void) {
   prime_error();
   CHECK_ERROR("vnni4 src NULL", cpumoe_pack_vnni4_int8(NULL, d8, 1, 32, 32, NULL), CPUMOE_EINVAL,
               "NULL");
+
+  /* INT4: qweight/qzeros/scales read from src, outputs written to dst (big enough for all) */
+  const int32_t *q = (const int32_t *)src;
+  uint8_t *pw = dst;
+  int8_t *pz = (int8_t *)dst;
+  float *ps = (float *)dst;
+#define PACK4(fmt, dt, E, OC, IC, G) \
+  cpumoe_pack_int4(fmt, q, q, src, dt, E, OC, IC, G, pw, pz, ps, NULL)
+  prime_error();
+  CHECK_ERROR("int4 format", PACK4((cpumoe_int4_format)2, F32, 1, 32, 32, 1), CPUMOE_EINVAL, "2");
+  prime_error();
+  CHECK_ERROR("int4 experts", PACK4(CPUMOE_INT4_AWQ, F32, -1, 32, 32, 1), CPUMOE_EINVAL,
+              "experts=-1");
+  prime_error();
+  CHECK_ERROR("int4 groups", PACK4(CPUMOE_INT4_AWQ, F32, 1, 32, 32, 0), CPUMOE_EINVAL, "groups=0");
+  prime_error();
+  CHECK_ERROR("int4 out % 32", PACK4(CPUMOE_INT4_AWQ, F32, 1, 48, 32, 1), CPUMOE_EINVAL, "48");
+  prime_error();
+  CHECK_ERROR("int4 in % groups", PACK4(CPUMOE_INT4_AWQ, F32, 1, 32, 32, 3), CPUMOE_EINVAL, "3");
+  prime_error();
+  CHECK_ERROR("int4 group 192", PACK4(CPUMOE_INT4_AWQ, F32, 1, 32, 384, 2), CPUMOE_EUNSUPPORTED,
+              "192");
+  prime_error();
+  CHECK_ERROR("int4 GPTQ in % 8", PACK4(CPUMOE_INT4_GPTQ, F32, 1, 32, 4, 1), CPUMOE_EINVAL, "8");
+  prime_error();
+  CHECK_ERROR("int4 scales dtype", PACK4(CPUMOE_INT4_AWQ, I32, 1, 32, 32, 1), CPUMOE_EINVAL,
+              "scales");
+#undef PACK4
+  prime_error();
+  CHECK_ERROR("int4 NULL",
+              cpumoe_pack_int4(CPUMOE_INT4_AWQ, q, NULL, src, F32, 1, 32, 32, 1, pw, pz, ps, NULL),
+              CPUMOE_EINVAL, "NULL");
 }
 
 /* ---- fused experts: cases, data, reference ------------------------------------------ */
@@ -362,26 +522,18 @@ typedef struct moe_case {
   cpumoe_dtype act;
   int64_t M, K, N, E, topk;
   cpumoe_dtype ids_dtype, weights_dtype;
-  double skip;              /* fraction of slots with id -1 */
-  int64_t block_n, block_k; /* FP8 */
+  double skip;    /* fraction of slots with id -1 */
+  int64_t b1, b2; /* FP8: block_n, block_k; INT4: w1_group, w2_group */
   int flags;
 } moe_case;
 
-#define BF16 CPUMOE_DTYPE_BF16
-#define F16 CPUMOE_DTYPE_F16
-#define F32 CPUMOE_DTYPE_F32
-#define F64 CPUMOE_DTYPE_F64
-#define I32 CPUMOE_DTYPE_I32
-#define I64 CPUMOE_DTYPE_I64
-#define UNQUANT CPUMOE_SCHEME_UNQUANT
-#define INT8 CPUMOE_SCHEME_INT8_W8A8
-#define FP8 CPUMOE_SCHEME_FP8_W8A16
 #define BIG_BLOCK (INT64_MAX - 1) /* one scale block per matrix, and ceil() must not overflow */
 
-/* K and N of 96 or 160 are multiples of 32 but not of 64; 1100 tokens are two chunks. */
+/* K and N of 96 or 160 are multiples of 32 but not of 64; 1100 tokens are two chunks.
+ * INT4 groups: 4 (the smallest), 96 (<= 128, not a power of 2), 256 (two blocks a group). */
 /* clang-format off */
 static const moe_case g_cases[] = {
-  /* name              scheme   act      M    K    N  E topk ids weights skip  block_n, _k, flags */
+  /* name              scheme   act      M    K    N  E topk ids weights skip  b1,  b2,  flags */
   {"bf16 decode",      UNQUANT, BF16,    1,  64,  64, 4, 2, I32, F32,  0.0,  0,  0,  0},
   {"bf16 tails",       UNQUANT, BF16,   13,  96, 160, 5, 3, I64, BF16, 0.2,  0,  0,
    BIAS | RESIDUAL},
@@ -411,17 +563,32 @@ static const moe_case g_cases[] = {
    BIAS},
   {"fp8 dense",        FP8,     F16,     2,  32,  32, 1, 1, I32, F32,  0.0,  16, 2,
    RESIDUAL | NO_IDS | NO_WEIGHTS},
+  {"int4 decode",      INT4,    BF16,    1,  64,  32, 3, 2, I32, F32,  0.0,  32, 32,  0},
+  {"int4 tails",       INT4,    F16,    23,  96, 160, 4, 3, I64, BF16, 0.2,  96, 4,
+   BIAS | SWIGLU | RESIDUAL},
+  {"int4 group 256",   INT4,    BF16,    9, 256,  64, 2, 2, I32, F16,  0.0,  256, 64, RESIDUAL},
+  {"int4 2 chunks",    INT4,    BF16, 1100,  32,  32, 2, 1, I32, F32,  0.1,  32, 32,  BIAS},
 };
 /* clang-format on */
+
+/* One weight matrix [E, rows, cols] of a case: its logical values, and the packed tensors
+ * the op reads. */
+typedef struct matrix {
+  int64_t rows, cols, group; /* group: INT4 group size */
+  double *w;                 /* dequantized values (UNQUANT, FP8) */
+  int8_t *q;                 /* INT8: int8 values; INT4: nibbles 0..15 */
+  int8_t *zero;              /* INT4: [E, rows, cols / group] zero points */
+  float *scale;              /* INT8 [E, rows]; FP8 block scales; INT4 [E, rows, groups] */
+  void *packed;
+  float *packed_scale; /* what the op gets as w*_scale */
+  int8_t *packed_zero; /* INT4: what the op gets as w*_zero */
+} matrix;
 
 typedef struct moe_data {
   cpumoe_moe_problem p;
   const moe_case *c;
   uint16_t *x, *x_saved, *out; /* x_saved: x before an in-place run */
-  double *w1, *w2;             /* logical weights [E, 2N, K], [E, K, N] (dequantized) */
-  int8_t *q1, *q2;             /* INT8: logical int8 weights ... */
-  float *s1, *s2;              /* ... per-channel scales; FP8: block scales */
-  void *w1_packed, *w2_packed;
+  matrix w1, w2;               /* [E, 2N, K], [E, K, N] */
   float *b1, *b2;
   uint16_t *residual;
   void *ids, *weights;
@@ -449,55 +616,74 @@ static uint8_t rnd_e4m3(void) {
   return (uint8_t)((b & 0x87) | (uint8_t)(rnd_below(9) << 3));
 }
 
-/* Logical weights of one matrix [E, rows, cols] for the case's scheme, and its packed form. */
-static void make_weights(const moe_case *c, int64_t rows, int64_t cols, double **logical,
-                         int8_t **q, float **scale, void **packed) {
-  const int64_t E = c->E, n = E * rows * cols;
-  *logical = xmalloc(sizeof(double) * (size_t)n);
+/* Random weights of one matrix for the case's scheme, and their packed form. */
+static void make_weights(const moe_case *c, matrix *m) {
+  const int64_t E = c->E, rows = m->rows, cols = m->cols, n = E * rows * cols;
   const double range = 1.0 / sqrt((double)cols);
   if (c->scheme == UNQUANT) {
     uint16_t *bits = xmalloc(2 * (size_t)n);
+    m->w = xmalloc(sizeof(double) * (size_t)n);
     for (int64_t i = 0; i < n; i++) {
       bits[i] = act_bits(c->act, rnd_uniform(-range, range));
-      (*logical)[i] = act_value(c->act, bits[i]);
+      m->w[i] = act_value(c->act, bits[i]);
     }
-    *packed = xmalloc(2 * (size_t)n);
-    ref_pack_vnni2(bits, *packed, 2, E, rows, cols);
+    m->packed = xmalloc(2 * (size_t)n);
+    ref_pack_vnni2(bits, m->packed, 2, E, rows, cols);
     free(bits);
   } else if (c->scheme == INT8) {
-    *q = xmalloc((size_t)n);
-    *scale = xmalloc(sizeof(float) * (size_t)(E * rows));
-    for (int64_t i = 0; i < n; i++) (*q)[i] = (int8_t)rnd_u64();
+    m->q = xmalloc((size_t)n);
+    m->scale = xmalloc(sizeof(float) * (size_t)(E * rows));
+    for (int64_t i = 0; i < n; i++) m->q[i] = (int8_t)rnd_u64();
     for (int64_t i = 0; i < E * rows; i++)
-      (*scale)[i] = (float)(rnd_uniform(0.5, 1.5) * range / 127);
-    for (int64_t i = 0; i < n; i++) (*logical)[i] = (*q)[i] * (double)(*scale)[i / cols];
-    *packed = xmalloc((size_t)(E * rows * (cols + 4)));
-    ref_pack_vnni4(*q, *packed, E, rows, cols);
-  } else {
+      m->scale[i] = (float)(rnd_uniform(0.5, 1.5) * range / 127);
+    m->packed = xmalloc((size_t)(E * rows * (cols + 4)));
+    ref_pack_vnni4(m->q, m->packed, E, rows, cols);
+    m->packed_scale = m->scale;
+  } else if (c->scheme == FP8) {
     /* scale blocks: a block larger than the matrix is one block */
-    const int64_t bn = c->block_n < rows ? c->block_n : rows,
-                  bk = c->block_k < cols ? c->block_k : cols;
+    const int64_t bn = c->b1 < rows ? c->b1 : rows, bk = c->b2 < cols ? c->b2 : cols;
     const int64_t nb = (rows + bn - 1) / bn, kb = (cols + bk - 1) / bk;
     uint8_t *codes = xmalloc((size_t)n);
-    *scale = xmalloc(sizeof(float) * (size_t)(E * nb * kb));
-    for (int64_t i = 0; i < E * nb * kb; i++) (*scale)[i] = (float)(rnd_uniform(0.5, 1.5) * range);
+    m->w = xmalloc(sizeof(double) * (size_t)n);
+    m->scale = xmalloc(sizeof(float) * (size_t)(E * nb * kb));
+    for (int64_t i = 0; i < E * nb * kb; i++) m->scale[i] = (float)(rnd_uniform(0.5, 1.5) * range);
     for (int64_t e = 0; e < E; e++)
       for (int64_t r = 0; r < rows; r++)
         for (int64_t k = 0; k < cols; k++) {
           const int64_t i = (e * rows + r) * cols + k;
           codes[i] = rnd_e4m3();
           /* FORMATS.md: e4m3(code) * scale, rounded once to fp32 */
-          const float s = (*scale)[(e * nb + r / bn) * kb + k / bk];
-          (*logical)[i] = (float)e4m3_value(codes[i]) * s;
+          m->w[i] = (float)e4m3_value(codes[i]) * m->scale[(e * nb + r / bn) * kb + k / bk];
         }
-    *packed = xmalloc((size_t)n);
-    ref_pack_vnni2(codes, *packed, 1, E, rows, cols);
+    m->packed = xmalloc((size_t)n);
+    ref_pack_vnni2(codes, m->packed, 1, E, rows, cols);
+    m->packed_scale = m->scale;
     free(codes);
+  } else { /* INT4: nibbles 0..15, zero points 0..16 (AWQ and GPTQ ranges) */
+    const int64_t groups = cols / m->group, bk = cpumoe_int4_block_k(m->group);
+    m->q = xmalloc((size_t)n);
+    m->zero = xmalloc((size_t)(E * rows * groups));
+    m->scale = xmalloc(sizeof(float) * (size_t)(E * rows * groups));
+    for (int64_t i = 0; i < n; i++) m->q[i] = (int8_t)rnd_below(16);
+    for (int64_t i = 0; i < E * rows * groups; i++) {
+      m->zero[i] = (int8_t)rnd_below(17);
+      m->scale[i] = (float)(rnd_uniform(0.5, 1.5) * range / 8);
+    }
+    m->packed = xmalloc((size_t)(E * (rows / 32) * (cols / bk) * (16 * bk + 128)));
+    m->packed_zero = xmalloc((size_t)(E * rows * groups));
+    m->packed_scale = xmalloc(sizeof(float) * (size_t)(E * rows * groups));
+    ref_pack_int4((const uint8_t *)m->q, m->zero, m->scale, E, rows, cols, groups, m->packed,
+                  m->packed_zero, m->packed_scale);
   }
 }
 
-/* INT8 activations, as documented: per row, amax = max |v| (at least 1e-7), scale =
- * amax / 127, q = clamp(round_half_even(v * 127 / amax), -127, 127); fp32 arithmetic. */
+static void free_matrix(matrix *m) {
+  if (m->packed_scale != m->scale) free(m->packed_scale);
+  free(m->w), free(m->q), free(m->zero), free(m->scale), free(m->packed), free(m->packed_zero);
+}
+
+/* INT8 and INT4 activations, as documented: per row, amax = max |v| (at least 1e-7),
+ * scale = amax / 127, q = clamp(round_half_even(v * 127 / amax), -127, 127); fp32. */
 static float quantize_row(const double *v, int64_t n, int32_t *q) {
   float amax = 0.0f;
   for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf((float)v[i]));
@@ -510,24 +696,31 @@ static float quantize_row(const double *v, int64_t n, int32_t *q) {
   return amax / 127.0f;
 }
 
-/* out = W @ v for one expert's [rows, cols] matrix, in double; INT8 quantizes v first */
-static void matvec(const moe_data *d, int stage, int64_t e, const double *v, double *out) {
-  const moe_case *c = d->c;
-  const int64_t rows = stage == 1 ? 2 * c->N : c->K, cols = stage == 1 ? c->K : c->N;
-  if (c->scheme == INT8) {
+/* out = W[e] @ v in double; INT8 and INT4 quantize v first */
+static void matvec(const moe_case *c, const matrix *m, int64_t e, const double *v, double *out) {
+  const int64_t rows = m->rows, cols = m->cols;
+  if (c->scheme == INT8 || c->scheme == INT4) {
     int32_t *q = xmalloc(sizeof(int32_t) * (size_t)cols);
     const double vs = quantize_row(v, cols, q);
-    const int8_t *w = (stage == 1 ? d->q1 : d->q2) + e * rows * cols;
-    const float *ws = (stage == 1 ? d->s1 : d->s2) + e * rows;
     for (int64_t r = 0; r < rows; r++) {
-      int64_t acc = 0;
-      for (int64_t k = 0; k < cols; k++) acc += (int64_t)q[k] * w[r * cols + k];
-      out[r] = (double)acc * vs * ws[r];
+      const int64_t row = e * rows + r;
+      const int8_t *w = m->q + row * cols;
+      double acc = 0.0;
+      if (c->scheme == INT8) {
+        for (int64_t k = 0; k < cols; k++) acc += (double)q[k] * w[k];
+        acc *= m->scale[row];
+      } else { /* (w - zero) * scale per group */
+        const int64_t groups = cols / m->group;
+        for (int64_t k = 0; k < cols; k++)
+          acc += (double)q[k] * (w[k] - m->zero[row * groups + k / m->group]) *
+                 m->scale[row * groups + k / m->group];
+      }
+      out[r] = acc * vs;
     }
     free(q);
     return;
   }
-  const double *w = (stage == 1 ? d->w1 : d->w2) + e * rows * cols;
+  const double *w = m->w + e * rows * cols;
   for (int64_t r = 0; r < rows; r++) {
     double acc = 0.0;
     for (int64_t k = 0; k < cols; k++) acc += w[r * cols + k] * v[k];
@@ -557,7 +750,7 @@ static void reference(moe_data *d) {
     for (int64_t j = 0; j < c->topk; j++) {
       const int64_t e = slot_id(d, m * c->topk + j);
       if (e < 0) continue;
-      matvec(d, 1, e, x, h);
+      matvec(c, &d->w1, e, x, h);
       for (int64_t r = 0; r < 2 * N; r++) h[r] += d->b1 ? d->b1[e * 2 * N + r] : 0.0;
       for (int64_t n = 0; n < N; n++) {
         if (c->flags & SWIGLU) { /* interleaved rows: gate 2n, up 2n + 1 */
@@ -569,7 +762,7 @@ static void reference(moe_data *d) {
         }
         a[n] = act_round(c->act, a[n]);
       }
-      matvec(d, 2, e, a, y);
+      matvec(c, &d->w2, e, a, y);
       const double g = slot_weight(d, m * c->topk + j);
       for (int64_t k = 0; k < K; k++) acc[k] += (y[k] + (d->b2 ? d->b2[e * K + k] : 0.0)) * g;
     }
@@ -586,8 +779,10 @@ static void make_data(const moe_case *c, moe_data *d) {
   for (int64_t i = 0; i < M * K; i++) d->x[i] = act_bits(c->act, rnd_uniform(-1.0, 1.0));
   memcpy(d->x_saved, d->x, 2 * (size_t)(M * K));
   d->out = (c->flags & OUT_IS_X) ? d->x : xmalloc(2 * (size_t)(M * K));
-  make_weights(c, 2 * N, K, &d->w1, &d->q1, &d->s1, &d->w1_packed);
-  make_weights(c, K, N, &d->w2, &d->q2, &d->s2, &d->w2_packed);
+  d->w1 = (matrix){.rows = 2 * N, .cols = K, .group = c->b1};
+  d->w2 = (matrix){.rows = K, .cols = N, .group = c->b2};
+  make_weights(c, &d->w1);
+  make_weights(c, &d->w2);
   if (c->flags & BIAS) {
     d->b1 = xmalloc(sizeof(float) * (size_t)(E * 2 * N));
     d->b2 = xmalloc(sizeof(float) * (size_t)(E * K));
@@ -633,12 +828,16 @@ static void make_data(const moe_case *c, moe_data *d) {
       .alpha = 1.702f,
       .limit = 0.5f, /* small enough that the clamps act on these magnitudes */
       .x = d->x,
-      .w1 = d->w1_packed,
-      .w2 = d->w2_packed,
-      .w1_scale = d->s1,
-      .w2_scale = d->s2,
-      .block_n = c->block_n,
-      .block_k = c->block_k,
+      .w1 = d->w1.packed,
+      .w2 = d->w2.packed,
+      .w1_scale = d->w1.packed_scale,
+      .w2_scale = d->w2.packed_scale,
+      .block_n = c->scheme == FP8 ? c->b1 : 0,
+      .block_k = c->scheme == FP8 ? c->b2 : 0,
+      .w1_zero = d->w1.packed_zero,
+      .w2_zero = d->w2.packed_zero,
+      .w1_group = c->scheme == INT4 ? c->b1 : 0,
+      .w2_group = c->scheme == INT4 ? c->b2 : 0,
       .topk_ids = d->ids,
       .topk_ids_dtype = c->ids_dtype,
       .topk_weights = d->weights,
@@ -657,9 +856,9 @@ static void make_data(const moe_case *c, moe_data *d) {
 
 static void free_data(moe_data *d) {
   if (d->out != d->x) free(d->out);
-  free(d->x), free(d->x_saved), free(d->w1), free(d->w2), free(d->q1), free(d->q2);
-  free(d->s1), free(d->s2), free(d->w1_packed), free(d->w2_packed), free(d->b1), free(d->b2);
-  free(d->residual), free(d->ids), free(d->weights), free(d->expected);
+  free_matrix(&d->w1), free_matrix(&d->w2);
+  free(d->x), free(d->x_saved), free(d->b1), free(d->b2), free(d->residual), free(d->ids);
+  free(d->weights), free(d->expected);
 }
 
 /* Runs the op with a fresh workspace of exactly the size asked for, `offset` bytes past a
@@ -695,11 +894,11 @@ static double relative_error(const moe_data *d) {
 
 /* Error budget in units of the output scale, from the ulp at 1 of the activation dtype
  * (2^-8 bf16, 2^-11 fp16): rounding the output takes up to half an ulp, rounding act(h) a
- * little more; INT8 gets twice the budget for quantization codes that land on the other
+ * little more; INT8 and INT4 get twice the budget for quantization codes that land on the other
  * side of a rounding boundary (the reference restates the quantization itself). */
 static double tolerance(const moe_case *c) {
   const double ulp = c->act == BF16 ? 0x1p-8 : 0x1p-11;
-  return c->scheme == INT8 ? 4 * ulp : 2 * ulp;
+  return c->scheme == INT8 || c->scheme == INT4 ? 4 * ulp : 2 * ulp;
 }
 
 static void test_case(const moe_case *c) {
@@ -742,10 +941,11 @@ static void test_fused(void) {
   for (size_t i = 0; i < sizeof g_cases / sizeof g_cases[0]; i++) test_case(&g_cases[i]);
 
   /* M = 0: nothing to do for any scheme; NULL tensors allowed, nothing written */
-  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8};
+  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8, INT4};
   float scale = 1.0f;
+  int8_t zero = 0;
   uint16_t sentinel = 0x1234;
-  for (size_t i = 0; i < 3; i++) {
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
     const cpumoe_moe_problem p = {
         .M = 0,
         .K = 32,
@@ -758,6 +958,10 @@ static void test_fused(void) {
         .w2_scale = &scale,
         .block_n = 128,
         .block_k = 128,
+        .w1_zero = &zero,
+        .w2_zero = &zero,
+        .w1_group = 32,
+        .w2_group = 32,
         .out = &sentinel,
     };
     const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
@@ -780,6 +984,7 @@ static void test_fused_errors(void) {
   const size_t bytes = cpumoe_fused_experts_workspace_size(&good);
   char *ws = xmalloc(bytes);
   float scale = 1.0f, bias = 0.0f;
+  int8_t zero = 0;
 
   /* Each mutation of the good problem: the status, a word of the message, and that the
    * workspace query says 0. */
@@ -831,6 +1036,17 @@ static void test_fused_errors(void) {
   REJECT("fp8 block_n 0",
          (p.scheme = FP8, p.w1_scale = p.w2_scale = &scale, p.block_n = 0, p.block_k = 128),
          CPUMOE_EUNSUPPORTED, "block");
+  REJECT("int4 no zeros",
+         (p.scheme = INT4, p.w1_scale = p.w2_scale = &scale, p.w1_group = p.w2_group = 32),
+         CPUMOE_EINVAL, "w1_zero");
+  REJECT("int4 group 6",
+         (p.scheme = INT4, p.w1_scale = p.w2_scale = &scale, p.w1_zero = p.w2_zero = &zero,
+          p.w1_group = 6, p.w2_group = 32),
+         CPUMOE_EUNSUPPORTED, "group sizes 6");
+  REJECT("int4 group > K",
+         (p.scheme = INT4, p.w1_scale = p.w2_scale = &scale, p.w1_zero = p.w2_zero = &zero,
+          p.w1_group = 64, p.w2_group = 32),
+         CPUMOE_EUNSUPPORTED, "K=32");
 #undef REJECT
 
   /* ids out of range: found before any kernel runs, so out keeps its contents */
@@ -917,6 +1133,11 @@ static void test_sizes(void) {
       (p.scheme = FP8, p.w1_scale = p.w2_scale = (const float *)dummy, p.block_n = 1, p.block_k = 2,
        p.E = INT64_C(1) << 26, p.N = INT64_C(1) << 15, p.K = INT64_C(1) << 20),
       CPUMOE_EINVAL, "w1_scale");
+  REJECT_SIZE("int4 w1 bytes",
+              (p.scheme = INT4, p.w1_scale = p.w2_scale = (const float *)dummy,
+               p.w1_zero = p.w2_zero = (const int8_t *)dummy, p.w1_group = p.w2_group = 128,
+               p.E = INT32_MAX, p.N = big, p.K = big),
+              CPUMOE_EINVAL, "w1");
 #undef REJECT_SIZE
 
   /* at the limits, the workspace query works and its size has not wrapped: it holds at
@@ -938,6 +1159,12 @@ static void test_sizes(void) {
               cpumoe_pack_vnni2_8bit((const uint8_t *)dummy, (uint8_t *)ws, INT64_C(1) << 40,
                                      INT64_C(1) << 30, 65536, NULL),
               CPUMOE_EINVAL, "65536");
+  prime_error();
+  CHECK_ERROR("int4 pack bytes",
+              cpumoe_pack_int4(CPUMOE_INT4_AWQ, (const int32_t *)dummy, (const int32_t *)dummy,
+                               dummy, F32, INT64_C(1) << 40, 65536, 65536, 512, (uint8_t *)ws,
+                               (int8_t *)ws, (float *)ws, NULL),
+              CPUMOE_EINVAL, "experts=1099511627776");
   prime_error();
   CHECK_ERROR("vnni4 bytes",
               cpumoe_pack_vnni4_int8((const int8_t *)dummy, (int8_t *)ws, INT64_C(1) << 40,
@@ -1030,9 +1257,9 @@ int main(int argc, char **argv) {
     const char *name;
     void (*run)(void);
   } sections[] = {
-      {"packers", test_packers},     {"packers", test_packer_errors}, {"fused", test_fused},
-      {"errors", test_fused_errors}, {"sizes", test_sizes},           {"isa", test_isa},
-      {"probes", test_probes},
+      {"packers", test_packers}, {"packers", test_pack_int4},   {"packers", test_packer_errors},
+      {"fused", test_fused},     {"errors", test_fused_errors}, {"sizes", test_sizes},
+      {"isa", test_isa},         {"probes", test_probes},
   };
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines survive a sanitizer abort */
   const char *only = NULL;

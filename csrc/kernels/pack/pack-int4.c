@@ -11,6 +11,7 @@
 #include "common/int4.h"
 #include "common/numeric.h"
 #include "common/parallel.h"
+#include "common/sizes.h"
 
 /* AWQ stores the 8 columns of a word in nibble order 0,2,4,6,1,3,5,7: column j is in
  * nibble awq_nibble_of_column[j]. */
@@ -120,6 +121,12 @@ cpumoe_status cpumoe_pack_int4(cpumoe_int4_format format, const int32_t *qweight
   if (in_features % 8 != 0 && format == CPUMOE_INT4_GPTQ)
     return cm_fail(CPUMOE_EINVAL, "int4 pack: GPTQ in features %lld must be a multiple of 8",
                    (long long)in_features);
+  /* no input or output takes more than 2 bytes a weight (packed blocks: 1.5 at group 4) */
+  if (cm_size_product(cm_size_product(experts, out_features, in_features), 2, 1) < 0)
+    return cm_fail(CPUMOE_EINVAL,
+                   "int4 pack: experts=%lld x out=%lld x in=%lld weights are more bytes than a "
+                   "tensor can hold",
+                   (long long)experts, (long long)out_features, (long long)in_features);
   if (scales_dtype != CPUMOE_DTYPE_BF16 && scales_dtype != CPUMOE_DTYPE_F16 &&
       scales_dtype != CPUMOE_DTYPE_F32)
     return cm_fail(CPUMOE_EINVAL, "int4 pack: scales must be bfloat16, float16 or float32");
