@@ -1067,11 +1067,11 @@ def test_shared_argument_errors():
         call(sb=s2.half())
     with raises(r"w1_scale must be contiguous"):
         call(sa=torch.ones(2, 4).t())
-    with raises(r"\bw1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
+    with raises(r"\bw1 must be Float8_e4m3fn for use_fp8_w8a16=True \(fp8 w8a16\), got BFloat16"):
         call(a=pack(torch.randn(2 * N_, K_).to(torch.bfloat16)))
     with raises(r"shared_expert_cpu: use_int8_w8a8 and use_fp8_w8a16 cannot both be True"):
         call(use_int8_w8a8=True)
-    with raises(r"block_size must be None for moe_comp_method 0"):  # fp8 flag off
+    with raises(r"block_size must be None for bf16/fp16 weights"):  # fp8 flag off
         cpumoe.shared_expert(x, pack(torch.zeros(2 * N_, K_, dtype=torch.bfloat16)),
                              pack(torch.zeros(K_, N_, dtype=torch.bfloat16)),
                              block_size=[32, 64])

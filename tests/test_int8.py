@@ -839,13 +839,14 @@ def test_shared_int8_argument_errors():
         call(sa=torch.ones(N_, 1))
     with raises(r"w2_scale must be float32, got Half"):
         call(sb=s2.half())
-    with raises(r"\bw1 must be Char for moe_comp_method 1 \(int8 w8a8\), got BFloat16"):
+    with raises(r"\bw1 must be Char for use_int8_w8a8=True \(int8 w8a8\), got BFloat16"):
         call(a=pack(torch.randn(2 * N_, K_).to(torch.bfloat16)))
     with raises(r"\bw1 must have shape \[64, 68\] \(packed by convert_weight_packed\)"):
         call(a=w1)
-    with raises(r"block_size must be None for moe_comp_method 1"):
+    with raises(r"block_size must be None for use_int8_w8a8=True"):
         call(block_size=[64, 128])
-    with raises(r"w1_scale must be None for moe_comp_method 0"):  # int8 flag off
+    with raises(r"w1_scale must be None for bf16/fp16 weights \(use_int8_w8a8 and "
+                r"use_fp8_w8a16 False\)"):  # int8 flag off
         cpumoe.shared_expert(x, pack(w1.to(torch.bfloat16)), pack(w2.to(torch.bfloat16)),
                              w1_scale=s1)
 

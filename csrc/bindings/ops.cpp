@@ -118,6 +118,9 @@ std::pair<int64_t, int64_t> fp8_block_size(at::OptionalIntArrayRef block_size, c
   const int64_t bn = (*block_size)[0], bk = (*block_size)[1];
   TORCH_CHECK(bn >= 1 && bk >= 1, op, ": block_size values must be positive, got [", bn, ", ", bk,
               "]");
+  // larger blocks mean one block anyway; the C core's block arithmetic needs the bound
+  TORCH_CHECK(bn <= INT32_MAX && bk <= INT32_MAX, op,
+              ": block_size values must be at most 2^31 - 1, got [", bn, ", ", bk, "]");
   TORCH_CHECK(bk % 2 == 0, op, ": block_size[1] (block_k) = ", bk,
               " must be even: the packed layout pairs consecutive k, so a pair cannot straddle "
               "two scale blocks");
@@ -139,8 +142,9 @@ const float *block_scale(const std::optional<at::Tensor> &s, const char *name, c
   return s->data_ptr<float>();
 }
 
+// a >= 0, b >= 1; no a + b - 1, which overflows for block sizes near INT64_MAX.
 int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
+  return a / b + (a % b != 0);
 }
 
 // Scale arguments against the scheme, before shapes are known: scales must be None for a
@@ -361,6 +365,7 @@ at::Tensor prepare_weight(const at::Tensor &w, const char *name, const char *op,
 }
 
 void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
+  TORCH_CHECK(K > 0, op, ": hidden size K = hidden_states.size(1) must be positive, got 0");
   TORCH_CHECK(K % 32 == 0, op, ": hidden size K=", K,
               " must be a multiple of 32 (pad hidden_states, w1 and w2 with zeros)");
   TORCH_CHECK(
@@ -499,7 +504,8 @@ at::Tensor fused_experts_impl(
               " vs ", topk_ids.sizes());
   TORCH_CHECK(topk_ids.size(0) == M, op, ": topk_ids must have M = hidden_states.size(0) = ", M,
               " rows, got shape ", topk_ids.sizes());
-  TORCH_CHECK(topk_ids.size(1) >= 1, op, ": topk must be at least 1, got shape ", topk_ids.sizes());
+  TORCH_CHECK(topk_ids.size(1) >= 1, op, ": topk = topk_ids.size(1) must be at least 1, got shape ",
+              topk_ids.sizes());
   const auto idt = topk_ids.scalar_type();
   TORCH_CHECK(idt == at::kInt || idt == at::kLong, op, ": topk_ids must be int32 or int64, got ",
               dtype_name(idt));
@@ -582,7 +588,11 @@ at::Tensor shared_expert_cpu(
   check_dense(hidden_states, "hidden_states", op, 2);
   const cpumoe_dtype adt = act_dtype(hidden_states, op);
   const at::ScalarType dt = hidden_states.scalar_type();
-  const SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : use_fp8_w8a16 ? 2 : 0, dt);
+  SchemeSpec spec = scheme_spec(use_int8_w8a8 ? 1 : use_fp8_w8a16 ? 2 : 0, dt);
+  // messages name this op's flags, not moe_comp_method
+  spec.label = use_int8_w8a8   ? "use_int8_w8a8=True (int8 w8a8)"
+               : use_fp8_w8a16 ? "use_fp8_w8a16=True (fp8 w8a16)"
+                               : "bf16/fp16 weights (use_int8_w8a8 and use_fp8_w8a16 False)";
   const auto [bn, bk] = check_scale_args(spec, w1_scale, w2_scale, block_size, op);
   const int64_t M = hidden_states.size(0), K = hidden_states.size(1);
   check_cpu_tensor(w1, "w1", op);
