@@ -1,7 +1,18 @@
 """Every bad input is a RuntimeError whose message names the argument (DESIGN.md §3),
-never a crash, a hang or silent garbage."""
+never a crash, a hang or silent garbage.
+
+The end of this file holds CATALOGUE, one case per distinct rejection; docs/ERRORS.md
+lists them with their messages, and test_errors_doc keeps the two identical
+(``python tests/test_errors.py --write-doc`` rewrites the doc's tables)."""
 
 from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -205,7 +216,7 @@ def test_topk_ids_wrong_m():
 
 
 def test_topk_zero():
-    with raises(r"topk must be at least 1"):
+    with raises(r"topk = topk_ids.size\(1\) must be at least 1"):
         fused(topk_weights=torch.empty(M, 0), topk_ids=torch.empty(M, 0, dtype=torch.int32))
 
 
@@ -341,6 +352,27 @@ def test_int8_method_with_bf16_weights():
         fused(moe_comp_method=1, w1_scale=torch.ones(E, 2 * N, 1), w2_scale=torch.ones(E, K, 1))
 
 
+@pytest.mark.parametrize("block", [[2 ** 31 - 1, 2 ** 31 - 2], [64, 2 ** 20]],
+                         ids=["int32max", "2^20"])
+def test_fp8_huge_block_size_is_one_block(block):
+    """Accepted, not an error: a block larger than the weight is one block per expert
+    (scales [E, 1, 1]), with the bits of block_size = [2N, K] (= [64, 64] here), up to
+    2^31 - 1 (larger values are rejected: see CATALOGUE)."""
+    from cpumoe_testing import make_fp8_weights
+
+    x = torch.randn(M, K).to(BF16)
+    tw, ti = make_routing(M, E, TOPK)
+    w1, s1, w2, s2 = make_fp8_weights(E, N, K, (64, 64))
+    assert s1.shape == s2.shape == (E, 1, 1)
+    pw1, pw2 = pack(w1), pack(w2)
+
+    def run(bs):
+        return cpumoe.fused_experts(x, pw1, pw2, tw, ti, moe_comp_method=2, w1_scale=s1,
+                                    w2_scale=s2, block_size=bs)
+
+    assert torch.equal(run(block), run([64, 64]))
+
+
 def test_errors_via_bias_overload():
     """The 17-argument overload validates the same way."""
     args = valid()
@@ -410,7 +442,8 @@ def test_shared_fused_out_noncontiguous():
 def test_shared_int8_with_bf16_weights():
     """use_int8_w8a8 is being implemented: "not implemented" before, a w1 dtype error
     naming the scheme after."""
-    with raises(r"use_int8_w8a8=True is not implemented|w1 must be Char for moe_comp_method 1"):
+    with raises(r"use_int8_w8a8=True is not implemented|"
+                r"w1 must be Char for use_int8_w8a8=True \(int8 w8a8\)"):
         shared(use_int8_w8a8=True)
 
 
@@ -463,3 +496,430 @@ def test_shared_scales_and_block_size():
         shared(w1_scale=torch.ones(2 * N, 1))
     with raises(r"block_size must be None"):
         shared(block_size=[64, 128])
+
+
+# ---------------------------------------------------------------------------------------
+# CATALOGUE: every distinct rejection, with the argument its message names. Each case
+# starts from valid arguments (M=4, E=8, topk=2, N=32, K=64) and breaks one thing.
+# test_rejected checks the exception type, the op prefix and the argument's name;
+# test_errors_doc checks that docs/ERRORS.md lists exactly these cases and messages.
+
+FP8_BLOCK = [32, 32]
+CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+DROP = object()  # an override that leaves the argument out (None)
+
+
+def scheme_args(method: int, lead: tuple):
+    """Valid packed w1 [*lead, 2N, K], w2 [*lead, K, N] and the scheme's keyword arguments
+    (scales, block_size) for moe_comp_method 0, 1 or 2. Values do not matter here."""
+    dt = {0: BF16, 1: torch.int8, 2: torch.float8_e4m3fn}[method]
+    w1 = pack(torch.zeros(*lead, 2 * N, K).to(dt))
+    w2 = pack(torch.zeros(*lead, K, N).to(dt))
+    if method == 1:
+        return w1, w2, dict(w1_scale=torch.ones(*lead, 2 * N, 1),
+                            w2_scale=torch.ones(*lead, K, 1))
+    if method == 2:
+        return w1, w2, dict(w1_scale=torch.ones(*lead, 2 * N // 32, K // 32),
+                            w2_scale=torch.ones(*lead, K // 32, 1), block_size=FP8_BLOCK)
+    return w1, w2, {}
+
+
+def _apply(args: dict, over: dict) -> dict:
+    """args with `over` applied; an override may be a function of the valid args."""
+    for k, v in over.items():
+        args[k] = v(args) if callable(v) and not isinstance(v, torch.Tensor) else v
+    return {k: (None if v is DROP else v) for k, v in args.items()}
+
+
+def call_fused(method=0, *, cpu_kernel=False, **over):
+    """fused_experts_cpu with valid arguments of `method`, `over` applied. cpu_kernel=True
+    calls the CPU kernel directly (redispatch), past the Meta kernel a meta tensor would
+    select: that is how a tensor of another device reaches the binding's own checks."""
+    w1, w2, kw = scheme_args(method, (E,))
+    tw, ti = make_routing(M, E, TOPK)
+    a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2, topk_weights=tw,
+                    topk_ids=ti, moe_comp_method=method, **kw), over)
+    if cpu_kernel:
+        return torch.ops.cpumoe.fused_experts_cpu.bias.redispatch(
+            CPU_KEYS, a["hidden_states"], a["w1"], a["w2"], a["topk_weights"], a["topk_ids"],
+            False, method, a.get("w1_scale"), a.get("w2_scale"), None, None,
+            a.get("block_size"), a.get("w1_bias"), a.get("w2_bias"), None, None, True)
+    return cpumoe.fused_experts(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
+                                a.pop("topk_weights"), a.pop("topk_ids"), **a)
+
+
+def call_shared(method=0, *, cpu_kernel=False, **over):
+    """shared_expert_cpu with valid arguments of `method` (the use_*_w8a* flags), `over`
+    applied; cpu_kernel as in call_fused."""
+    w1, w2, kw = scheme_args(method, ())
+    a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2,
+                    fused_experts_out=None, routed_scaling_factor=None,
+                    use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2, **kw), over)
+    if cpu_kernel:
+        return torch.ops.cpumoe.shared_expert_cpu.default.redispatch(
+            CPU_KEYS, a["hidden_states"], a["w1"], a["w2"], a["fused_experts_out"],
+            a["routed_scaling_factor"], False, a["use_int8_w8a8"], a["use_fp8_w8a16"],
+            a.get("w1_scale"), a.get("w2_scale"), a.get("block_size"), True)
+    return cpumoe.shared_expert(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
+                                a.pop("fused_experts_out"), a.pop("routed_scaling_factor"), **a)
+
+
+def call_pack(weight, *, cpu_kernel=False):
+    if cpu_kernel:
+        return torch.ops.cpumoe.convert_weight_packed.default.redispatch(CPU_KEYS, weight)
+    return cpumoe.convert_weight_packed(weight)
+
+
+def _meta(name):
+    return lambda a: a[name].to("meta")
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """A non-contiguous view with t's shape and values."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _noncontig(name):
+    return lambda a: _transposed(a[name])
+
+
+def _bad_id(a):
+    ti = a["topk_ids"].clone()
+    ti[2, 1] = E
+    return ti
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    section: str  # the docs/ERRORS.md table that lists the case
+    arg: str  # the argument the message names ("" for torch's own dispatcher errors)
+    what: str  # the rejected input, in the table's words
+    call: Callable[[], object]
+    exc: type = RuntimeError
+    truncate: bool = False  # the doc shows the first sentence (torch's long messages)
+
+    def __str__(self):
+        return f"{self.section}/{self.arg or '-'}/{self.what}"
+
+
+def B1():
+    return make_bias(E, N, K)[0]
+
+
+def B2():
+    return make_bias(E, N, K)[1]
+
+
+WITH_BIAS = dict(w1_bias=lambda a: B1(), w2_bias=lambda a: B2())
+SPARSE = dict(exc=NotImplementedError, truncate=True)
+
+
+def _f(arg, what, **over):
+    return Rejected("fused", arg, what, lambda: call_fused(0, **over))
+
+
+def _f1(arg, what, **over):
+    return Rejected("fused-int8", arg, what, lambda: call_fused(1, **over))
+
+
+def _f2(arg, what, **over):
+    return Rejected("fused-fp8", arg, what, lambda: call_fused(2, **over))
+
+
+def _s(arg, what, method=0, **over):
+    return Rejected("shared", arg, what, lambda: call_shared(method, **over))
+
+
+def _p(arg, what, weight_fn, section="pack"):
+    return Rejected(section, arg, what, lambda: call_pack(weight_fn()))
+
+
+def _big_k_int8():
+    """K = 65568 > 65536 with int8 weights (the int32 sums would overflow)."""
+    k = 65568
+    return cpumoe.fused_experts(
+        torch.zeros(1, k, dtype=BF16), torch.zeros(1, 64, k + 4, dtype=torch.int8),
+        torch.zeros(1, k, 36, dtype=torch.int8), torch.ones(1, 1),
+        torch.zeros(1, 1, dtype=torch.int32), moe_comp_method=1,
+        w1_scale=torch.ones(1, 64, 1), w2_scale=torch.ones(1, k, 1))
+
+
+def _empty_k(call):
+    return call(hidden_states=torch.zeros(M, 0, dtype=BF16), is_vnni=False,
+                w1=lambda a: torch.zeros(*a["w1"].shape[:-1], 0, dtype=BF16),
+                w2=lambda a: torch.zeros(*a["w2"].shape[:-2], 0, N, dtype=BF16))
+
+
+CATALOGUE = [
+    # -- fused_experts_cpu, every scheme ------------------------------------------------
+    _f("moe_comp_method", "not 0, 1, 2 or 3 (here 7)", moe_comp_method=7),
+    _f("hidden_states", "float32 (any dtype but bfloat16/float16)",
+       hidden_states=torch.zeros(M, K)),
+    _f("hidden_states", "not 2-D", hidden_states=torch.zeros(1, M, K, dtype=BF16)),
+    _f("hidden_states", "not contiguous", hidden_states=_noncontig("hidden_states")),
+    Rejected("fused", "hidden_states", "no columns (K = 0)", lambda: _empty_k(call_fused)),
+    _f("hidden_states", "K not a multiple of 32 (here 48)", is_vnni=False,
+       hidden_states=torch.zeros(M, 48, dtype=BF16), w1=torch.zeros(E, 2 * N, 48, dtype=BF16),
+       w2=torch.zeros(E, 48, N, dtype=BF16)),
+    _f("w1", "not 3-D", w1=torch.zeros(2 * N, K, dtype=BF16)),
+    _f("w1", "no experts (E = 0)", w1=torch.zeros(0, 2 * N, K, dtype=BF16)),
+    _f("w1", "odd number of rows", w1=torch.zeros(E, 2 * N + 1, K, dtype=BF16)),
+    _f("w1", "N = w1.size(1) / 2 not a multiple of 32 (here 48)", is_vnni=False,
+       w1=torch.zeros(E, 96, K, dtype=BF16), w2=torch.zeros(E, K, 48, dtype=BF16)),
+    _f("w1", "dtype other than the scheme's (float16 for bfloat16 activations)",
+       w1=lambda a: a["w1"].half()),
+    _f("w1", "shape other than [E, 2N, K] (here K doubled)",
+       w1=torch.zeros(E, 2 * N, 2 * K, dtype=BF16)),
+    _f("w1", "not contiguous", w1=_noncontig("w1")),
+    _f("w2", "not 3-D", w2=torch.zeros(K, N, dtype=BF16)),
+    _f("w2", "dtype other than the scheme's", w2=lambda a: a["w2"].half()),
+    _f("w2", "shape other than [E, K, N] (here E + 1 experts)",
+       w2=torch.zeros(E + 1, K, N, dtype=BF16)),
+    _f("w2", "not contiguous", w2=_noncontig("w2")),
+    _f("topk_weights", "not 2-D", topk_weights=lambda a: a["topk_weights"].flatten()),
+    _f("topk_weights", "integer dtype", topk_weights=lambda a: a["topk_weights"].int()),
+    _f("topk_weights", "shape other than topk_ids'",
+       topk_weights=lambda a: a["topk_weights"][:, :1]),
+    _f("topk_ids", "not 2-D", topk_ids=lambda a: a["topk_ids"].flatten()),
+    _f("topk_ids", "dtype other than int32/int64", topk_ids=lambda a: a["topk_ids"].float()),
+    _f("topk_ids", "rows other than M", topk_weights=torch.ones(M + 1, TOPK),
+       topk_ids=torch.zeros(M + 1, TOPK, dtype=torch.int32)),
+    _f("topk_ids", "no columns (topk = 0)", topk_weights=torch.ones(M, 0),
+       topk_ids=torch.zeros(M, 0, dtype=torch.int32)),
+    _f("topk_ids", "a value outside [0, E) other than -1 (here 8 at [2, 1])", topk_ids=_bad_id),
+    _f("w1_bias", "without w2_bias", w1_bias=lambda a: B1()),
+    _f("w2_bias", "without w1_bias", w2_bias=lambda a: B2()),
+    _f("w1_bias", "not float32", **dict(WITH_BIAS, w1_bias=lambda a: B1().to(BF16))),
+    _f("w1_bias", "not 2-D", **dict(WITH_BIAS, w1_bias=lambda a: B1().flatten())),
+    _f("w1_bias", "shape other than [E, 2N]", **dict(WITH_BIAS, w1_bias=torch.zeros(E, N))),
+    _f("w1_bias", "not contiguous", **dict(WITH_BIAS, w1_bias=lambda a: _transposed(B1()))),
+    _f("w2_bias", "shape other than [E, K]", **dict(WITH_BIAS, w2_bias=torch.zeros(E, N))),
+    _f("alpha", "without limit", alpha=1.702),
+    _f("limit", "without alpha", limit=7.0),
+    _f("w1_scale", "given for moe_comp_method 0", w1_scale=torch.ones(E, 2 * N, 1)),
+    _f("w2_scale", "given for moe_comp_method 0", w2_scale=torch.ones(E, K, 1)),
+    _f("w1_zero", "given for moe_comp_method 0", w1_zero=torch.zeros(E, 2 * N, 1)),
+    _f("w2_zero", "given for moe_comp_method 0", w2_zero=torch.zeros(E, K, 1)),
+    _f("block_size", "given for moe_comp_method 0", block_size=[32, 32]),
+    # -- fused_experts_cpu, moe_comp_method 1 (INT8 W8A8) --------------------------------
+    _f1("w1_scale", "missing", w1_scale=DROP),
+    _f1("w2_scale", "missing", w2_scale=DROP),
+    _f1("w1_scale", "numel other than E * 2N", w1_scale=torch.ones(E, N, 1)),
+    _f1("w2_scale", "numel other than E * K", w2_scale=torch.ones(E, 2 * K, 1)),
+    _f1("w1_scale", "not float32", w1_scale=lambda a: a["w1_scale"].half()),
+    _f1("w1_scale", "not contiguous", w1_scale=torch.ones(E, 4 * N)[:, ::2]),
+    _f1("w1_zero", "given", w1_zero=torch.zeros(E, 2 * N, 1, dtype=torch.int8)),
+    _f1("block_size", "given", block_size=[32, 32]),
+    _f1("w1", "not int8", w1=pack(torch.zeros(E, 2 * N, K, dtype=BF16))),
+    _f1("w1", "not packed ([E, 2N, K] where is_vnni=True needs [E, 2N, K + 4])",
+        w1=torch.zeros(E, 2 * N, K, dtype=torch.int8)),
+    _f1("w2", "not packed", w2=torch.zeros(E, K, N, dtype=torch.int8)),
+    Rejected("fused-int8", "K", "K or N above 65536", _big_k_int8),
+    # -- fused_experts_cpu, moe_comp_method 2 (FP8 W8A16) --------------------------------
+    _f2("block_size", "missing", block_size=DROP),
+    _f2("block_size", "not 2 values", block_size=[32]),
+    _f2("block_size", "a value < 1", block_size=[0, 32]),
+    _f2("block_size", "odd block_k", block_size=[32, 33]),
+    _f2("block_size", "a value above 2^31 - 1", block_size=[2 ** 63 - 1, 32]),
+    _f2("w1_scale", "missing", w1_scale=DROP),
+    _f2("w2_scale", "missing", w2_scale=DROP),
+    _f2("w1_scale", "shape other than [E, ceil(2N / block_n), ceil(K / block_k)]",
+        w1_scale=torch.ones(E, 2 * N // 32, 1)),
+    _f2("w2_scale", "shape other than [E, ceil(K / block_n), ceil(N / block_k)]",
+        w2_scale=torch.ones(E, K // 32, 2)),
+    _f2("w1_scale", "not float32", w1_scale=lambda a: a["w1_scale"].half()),
+    _f2("w2_scale", "not contiguous", w2_scale=lambda a: torch.ones(E, 2, 2)[:, :, :1]),
+    _f2("w1_zero", "given", w1_zero=torch.zeros(E, 2, 2)),
+    _f2("w1", "not float8_e4m3fn", w1=pack(torch.zeros(E, 2 * N, K, dtype=torch.int8))),
+    # -- shared_expert_cpu ---------------------------------------------------------------
+    _s("use_int8_w8a8", "use_int8_w8a8 and use_fp8_w8a16 both True", use_int8_w8a8=True,
+       use_fp8_w8a16=True),
+    _s("hidden_states", "float32", hidden_states=torch.zeros(M, K)),
+    _s("hidden_states", "not 2-D", hidden_states=torch.zeros(K, dtype=BF16)),
+    _s("hidden_states", "not contiguous", hidden_states=_noncontig("hidden_states")),
+    Rejected("shared", "hidden_states", "no columns (K = 0)", lambda: _empty_k(call_shared)),
+    _s("w1", "not 2-D", w1=torch.zeros(1, 2 * N, K, dtype=BF16)),
+    _s("w1", "odd number of rows", w1=torch.zeros(2 * N + 1, K, dtype=BF16)),
+    _s("w1", "N = w1.size(0) / 2 not a multiple of 32 (here 48)",
+       w1=torch.zeros(96, K, dtype=BF16), w2=torch.zeros(K, 48, dtype=BF16)),
+    _s("w1", "dtype other than the scheme's", w1=lambda a: a["w1"].half()),
+    _s("w1", "shape other than [2N, K]", w1=torch.zeros(2 * N, 2 * K, dtype=BF16)),
+    _s("w1", "not contiguous", w1=_noncontig("w1")),
+    _s("w2", "not 2-D", w2=torch.zeros(1, K, N, dtype=BF16)),
+    _s("w2", "dtype other than the scheme's", w2=lambda a: a["w2"].half()),
+    _s("w2", "shape other than [K, N]", w2=torch.zeros(K, 2 * N, dtype=BF16)),
+    _s("w2", "not contiguous", w2=_noncontig("w2")),
+    _s("fused_experts_out", "without routed_scaling_factor",
+       fused_experts_out=torch.zeros(M, K, dtype=BF16)),
+    _s("routed_scaling_factor", "without fused_experts_out", routed_scaling_factor=2.0),
+    _s("fused_experts_out", "not 2-D", fused_experts_out=torch.zeros(M * K, dtype=BF16),
+       routed_scaling_factor=2.0),
+    _s("fused_experts_out", "dtype other than hidden_states'",
+       fused_experts_out=torch.zeros(M, K, dtype=torch.float16), routed_scaling_factor=2.0),
+    _s("fused_experts_out", "shape other than hidden_states'",
+       fused_experts_out=torch.zeros(M + 1, K, dtype=BF16), routed_scaling_factor=2.0),
+    _s("fused_experts_out", "not contiguous",
+       fused_experts_out=_transposed(torch.zeros(M, K, dtype=BF16)), routed_scaling_factor=2.0),
+    _s("w1_scale", "given for bf16/fp16 weights", w1_scale=torch.ones(2 * N, 1)),
+    _s("block_size", "given for bf16/fp16 weights", block_size=[32, 32]),
+    _s("w1_scale", "missing (use_int8_w8a8)", 1, w1_scale=DROP),
+    _s("w2_scale", "numel other than K (use_int8_w8a8)", 1, w2_scale=torch.ones(2 * K, 1)),
+    _s("w1", "not int8 (use_int8_w8a8)", 1, w1=pack(torch.zeros(2 * N, K, dtype=BF16))),
+    _s("block_size", "given (use_int8_w8a8)", 1, block_size=[32, 32]),
+    _s("block_size", "missing (use_fp8_w8a16)", 2, block_size=DROP),
+    _s("w1_scale", "missing (use_fp8_w8a16)", 2, w1_scale=DROP),
+    _s("w2_scale", "shape other than [ceil(K / block_n), ceil(N / block_k)] (use_fp8_w8a16)",
+       2, w2_scale=torch.ones(2, 2)),
+    # -- convert_weight_packed ------------------------------------------------------------
+    _p("weight", "not 2-D or 3-D", lambda: torch.zeros(64, dtype=BF16)),
+    _p("weight", "float32 (or another dtype without a packed layout)",
+       lambda: torch.zeros(32, 64)),
+    _p("weight", "not contiguous", lambda: _transposed(torch.zeros(2, 32, 64, dtype=BF16))),
+    _p("weight", "16-bit or fp8, rows (OC) not a multiple of 16 (here 24)",
+       lambda: torch.zeros(24, 64, dtype=BF16)),
+    _p("weight", "int8, rows (OC) not a multiple of 32 (here 48)",
+       lambda: torch.zeros(48, 64, dtype=torch.int8)),
+    _p("weight", "columns (IC) not a multiple of 32 (here 48)",
+       lambda: torch.zeros(32, 48, dtype=BF16)),
+    _p("weight", "int8, columns (IC) above 65536", lambda: torch.zeros(32, 65568,
+                                                                        dtype=torch.int8)),
+    # -- devices and layouts (any tensor argument of any op) ------------------------------
+    Rejected("devices", "w1", "a meta tensor among CPU tensors",
+             lambda: call_fused(0, w1=_meta("w1"))),
+    Rejected("devices", "w1_bias", "a meta tensor among CPU tensors (any optional tensor too)",
+             lambda: call_fused(0, **dict(WITH_BIAS, w1_bias=lambda a: B1().to("meta")))),
+    Rejected("devices", "fused_experts_out", "a meta tensor among CPU tensors",
+             lambda: call_shared(0, fused_experts_out=torch.zeros(M, K, dtype=BF16,
+                                                                  device="meta"),
+                                 routed_scaling_factor=2.0)),
+    *[Rejected("devices", name, "not a CPU tensor, reaching the CPU kernel",
+               lambda m=m, over=over: call_fused(m, cpu_kernel=True, **over))
+      for name, m, over in [
+          ("hidden_states", 0, dict(hidden_states=_meta("hidden_states"))),
+          ("w1", 0, dict(w1=_meta("w1"))), ("w2", 0, dict(w2=_meta("w2"))),
+          ("topk_weights", 0, dict(topk_weights=_meta("topk_weights"))),
+          ("topk_ids", 0, dict(topk_ids=_meta("topk_ids"))),
+          ("w1_bias", 0, dict(WITH_BIAS, w1_bias=lambda a: B1().to("meta"))),
+          ("w2_bias", 0, dict(WITH_BIAS, w2_bias=lambda a: B2().to("meta"))),
+          ("w1_scale", 1, dict(w1_scale=_meta("w1_scale"))),
+          ("w2_scale", 2, dict(w2_scale=_meta("w2_scale")))]],
+    *[Rejected("devices", name, "not a CPU tensor, reaching the CPU kernel (shared_expert_cpu)",
+               lambda over=over: call_shared(0, cpu_kernel=True, **over))
+      for name, over in [
+          ("hidden_states", dict(hidden_states=_meta("hidden_states"))),
+          ("w2", dict(w2=_meta("w2"))),
+          ("fused_experts_out", dict(fused_experts_out=torch.zeros(M, K, dtype=BF16,
+                                                                   device="meta"),
+                                     routed_scaling_factor=2.0))]],
+    Rejected("devices", "weight", "not a CPU tensor, reaching the CPU kernel "
+             "(convert_weight_packed)",
+             lambda: call_pack(torch.zeros(32, 64, dtype=BF16, device="meta"), cpu_kernel=True)),
+    Rejected("devices", "", "a sparse tensor (fused_experts_cpu)",
+             lambda: call_fused(0, hidden_states=lambda a: a["hidden_states"].to_sparse()),
+             **SPARSE),
+    Rejected("devices", "", "a sparse tensor (convert_weight_packed)",
+             lambda: call_pack(torch.zeros(32, 64, dtype=BF16).to_sparse()), **SPARSE),
+    # -- INT4 W4A8 (moe_comp_method 3) ------------------------------------------------------
+    Rejected("int4", "moe_comp_method", "3 (INT4 W4A8)",
+             lambda: call_fused(0, moe_comp_method=3, w1_scale=torch.ones(E, 2 * N, 1),
+                                w2_scale=torch.ones(E, K, 1))),
+    _p("weight", "uint8 (int4 or mxfp4) with 32 or more rows",
+       lambda: torch.zeros(2, 32, 64, dtype=torch.uint8), section="int4"),
+]
+
+SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
+    "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
+    "fused-fp8": "fused_experts_cpu", "shared": "shared_expert_cpu",
+    "pack": "convert_weight_packed", "devices": "", "int4": "",
+}
+
+
+def observed_message(case: Rejected) -> str:
+    """First line of the message `case` raises (AssertionError if the call is accepted)."""
+    try:
+        case.call()
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        if type(e) is not case.exc:
+            raise AssertionError(f"{case}: expected {case.exc.__name__}, got {e!r}") from e
+        return str(e).strip().splitlines()[0]
+    raise AssertionError(f"{case}: the op accepted the input")
+
+
+@pytest.mark.parametrize("method", [0, 1, 2])
+def test_catalogue_baselines_pass(method):
+    """The valid arguments every catalogue case perturbs are accepted."""
+    assert call_fused(method).shape == (M, K)
+    assert call_fused(method, cpu_kernel=True).shape == (M, K)
+    assert call_shared(method).shape == (M, K)
+    assert call_shared(method, cpu_kernel=True).shape == (M, K)
+    assert call_fused(method, **WITH_BIAS).shape == (M, K)
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=str)
+def test_rejected(case):
+    """Each case raises its exception type with a message that starts with the op's name
+    and names the argument (a whole word: `w1` is not found in `w1_bias`)."""
+    msg = observed_message(case)
+    op = SECTIONS[case.section] or r"(fused_experts_cpu|shared_expert_cpu|convert_weight_packed)"
+    if case.exc is NotImplementedError:  # torch's dispatcher: no kernel for the tensor type
+        op = r"Could not run 'cpumoe::(fused_experts_cpu|convert_weight_packed)'"
+    assert re.match(rf"{op}: " if case.exc is RuntimeError else op, msg), msg
+    if case.arg:
+        assert re.search(rf"(?<![\w.]){re.escape(case.arg)}s?\b", msg), (case.arg, msg)
+
+
+def test_catalogue_has_no_duplicates():
+    assert len({str(c) for c in CATALOGUE}) == len(CATALOGUE)
+
+
+# docs/ERRORS.md: each table sits between `<!-- table:NAME -->` and `<!-- end table:NAME -->`.
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
+
+
+def doc_table(section: str) -> str:
+    rows = ["| argument | rejected input | message |", "|---|---|---|"]
+    for case in CATALOGUE:
+        if case.section != section:
+            continue
+        msg = observed_message(case)
+        if case.truncate:
+            msg = msg.split(". ")[0] + ". …"
+        arg = f"`{case.arg}`" if case.arg else "any tensor"
+        rows.append(f"| {arg} | {case.what.replace('|', '/')} | `{msg.replace('|', '/')}` |")
+    return "\n".join(rows)
+
+
+def _table_span(text: str, section: str):
+    begin, end = f"<!-- table:{section} -->\n", f"\n<!-- end table:{section} -->"
+    i = text.find(begin)
+    j = text.find(end, i)
+    assert i >= 0 and j >= 0, f"docs/ERRORS.md lacks the markers of table {section!r}"
+    return i + len(begin), j
+
+
+def write_doc() -> None:
+    text = DOC.read_text()
+    for section in SECTIONS:
+        i, j = _table_span(text, section)
+        text = text[:i] + doc_table(section) + text[j:]
+    DOC.write_text(text)
+
+
+def test_errors_doc():
+    """docs/ERRORS.md lists every catalogue case with the message the op gives today."""
+    text = DOC.read_text()
+    problems = []
+    for section in SECTIONS:
+        i, j = _table_span(text, section)
+        want = doc_table(section)
+        if text[i:j] != want:
+            problems += difflib.unified_diff(text[i:j].splitlines(), want.splitlines(),
+                                             f"docs/ERRORS.md {section}", "the ops today",
+                                             lineterm="")
+    assert not problems, ("docs/ERRORS.md is out of date (python tests/test_errors.py "
+                          "--write-doc rewrites its tables):\n" + "\n".join(problems))
+
+
+if __name__ == "__main__" and "--write-doc" in sys.argv:
+    write_doc()
