@@ -1,0 +1,108 @@
+"""Resident memory stays flat over 2000 calls of each op and scheme.
+
+The binding allocates only the output, the cached per-thread workspace (grown, never
+shrunk) and, with is_vnni=False, the per-call packed copies; all of it must go back to the
+allocator. After a warm-up, RSS (from /proc/self/statm) is sampled every 250 calls; it
+may not rise more than SLACK above the first sample. Measured: without a leak the rise was
+0 KiB in every case (3 runs); a 4 KiB tensor or malloc block kept per call (a temporary
+mutation of ops.cpp) made every case fail, rising 6.5-25 MiB.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+import cpumoe
+from cpumoe_testing import (
+    make_fp8_weights,
+    make_int8_weights,
+    make_routing,
+    make_weights,
+    pack,
+)
+
+CALLS, WARMUP, EVERY = 2000, 200, 250
+SLACK = 1 << 20  # bytes
+M, E, TOPK, N, K = 8, 4, 2, 32, 64
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"),
+                                reason="needs /proc/self/statm (Linux)")
+
+
+def trim_heap() -> None:
+    """Returns the free pages of glibc's heap to the OS (where glibc is the libc): a leak
+    could otherwise reuse pages an earlier test freed but kept resident, and RSS would not
+    show it until they run out."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _fused(method, is_vnni=True, bad_ids=False):
+    x = torch.randn(M, K).to(torch.bfloat16)
+    tw, ti = make_routing(M, E, TOPK)
+    if bad_ids:
+        ti[3, 1] = E
+    if method == 0:
+        w1, w2 = make_weights(E, N, K, torch.bfloat16)
+        kw = {}
+    elif method == 1:
+        w1, s1, w2, s2 = make_int8_weights(E, N, K)
+        kw = dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
+    else:
+        w1, s1, w2, s2 = make_fp8_weights(E, N, K, (32, 32))
+        kw = dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=[32, 32])
+    if is_vnni:
+        w1, w2 = pack(w1), pack(w2)
+
+    def call():
+        try:
+            return cpumoe.fused_experts(x, w1, w2, tw, ti, is_vnni=is_vnni, **kw)
+        except RuntimeError:
+            if not bad_ids:
+                raise
+    return call
+
+
+def _shared():
+    x = torch.randn(M, K).to(torch.bfloat16)
+    w1, w2 = (pack(t[0]) for t in make_weights(1, N, K, torch.bfloat16))
+    fused = torch.randn(M, K).to(torch.bfloat16)
+    return lambda: cpumoe.shared_expert(x, w1, w2, fused, 2.0)
+
+
+CASES = {
+    "bf16": lambda: _fused(0),
+    "int8": lambda: _fused(1),
+    "fp8": lambda: _fused(2),
+    "int8-unpacked": lambda: _fused(1, is_vnni=False),  # packs w1/w2 on every call
+    "bf16-rejected": lambda: _fused(0, bad_ids=True),  # the error path
+    "shared": _shared,
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rss_flat(case):
+    torch.set_num_threads(1)  # other threads' stacks and arenas are not the op's memory
+    call = CASES[case]()
+    for _ in range(WARMUP):
+        call()
+    trim_heap()
+    samples = [rss()]
+    for i in range(1, CALLS + 1):
+        call()
+        if i % EVERY == 0:
+            samples.append(rss())
+    rise = max(samples) - samples[0]
+    assert rise <= SLACK, (f"RSS rose by {rise / 1024:.0f} KiB over {CALLS} calls "
+                           f"(samples in KiB: {[s // 1024 for s in samples]})")
