@@ -373,6 +373,58 @@ def test_fp8_huge_block_size_is_one_block(block):
     assert torch.equal(run(block), run([64, 64]))
 
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view one element past the start of its storage (torch allocates at
+    64 bytes; this view starts 1, 2 or 4 bytes later)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("method", [0, 1, 2], ids=["bf16", "int8", "fp8"])
+def test_unaligned_tensors_accepted(isa, method):
+    """Accepted, not an error: contiguous tensors that do not start on an alignment
+    boundary (views with a storage offset) give the bits of aligned copies, for every
+    tensor argument, packed or packed per call, and in shared_expert_cpu."""
+    from cpumoe_testing import make_fp8_weights, make_int8_weights
+
+    x = torch.randn(M, K).to(BF16)
+    tw, ti = make_routing(M, E, TOPK)
+    if method == 0:
+        w1, w2 = make_weights(E, N, K, BF16)
+        kw = {}
+    elif method == 1:
+        w1, s1, w2, s2 = make_int8_weights(E, N, K)
+        kw = dict(w1_scale=s1, w2_scale=s2)
+    else:
+        w1, s1, w2, s2 = make_fp8_weights(E, N, K, (32, 32))
+        kw = dict(w1_scale=s1, w2_scale=s2, block_size=[32, 32])
+    b1, b2 = make_bias(E, N, K)
+    off = {k: _unaligned(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    assert _unaligned(x).data_ptr() % 4 != 0
+
+    def fused(*a, **k):
+        return cpumoe.fused_experts(*a, moe_comp_method=method, **k)
+
+    aligned = fused(x, pack(w1), pack(w2), tw, ti, w1_bias=b1, w2_bias=b2, **kw)
+    moved = fused(_unaligned(x), _unaligned(pack(w1)), _unaligned(pack(w2)), _unaligned(tw),
+                  _unaligned(ti), w1_bias=_unaligned(b1), w2_bias=_unaligned(b2), **off)
+    assert torch.equal(moved, aligned)
+    assert torch.equal(fused(_unaligned(x), _unaligned(w1), _unaligned(w2), tw, ti,
+                             is_vnni=False, **off), fused(x, w1, w2, tw, ti, is_vnni=False,
+                                                          **kw))
+    assert torch.equal(pack(_unaligned(w1)), pack(w1))
+    skw = dict(use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2,
+               **{k: v[0] if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    soff = {k: _unaligned(v) if isinstance(v, torch.Tensor) else v for k, v in skw.items()}
+    fo = torch.randn(M, K).to(BF16)
+    assert torch.equal(
+        cpumoe.shared_expert(_unaligned(x), _unaligned(pack(w1[0])), _unaligned(pack(w2[0])),
+                             _unaligned(fo), 2.0, **soff),
+        cpumoe.shared_expert(x, pack(w1[0]), pack(w2[0]), fo, 2.0, **skw))
+
+
 def test_errors_via_bias_overload():
     """The 17-argument overload validates the same way."""
     args = valid()
