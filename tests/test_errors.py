@@ -563,7 +563,14 @@ DROP = object()  # an override that leaves the argument out (None)
 
 def scheme_args(method: int, lead: tuple):
     """Valid packed w1 [*lead, 2N, K], w2 [*lead, K, N] and the scheme's keyword arguments
-    (scales, block_size) for moe_comp_method 0, 1 or 2. Values do not matter here."""
+    (scales, zeros, block_size) for moe_comp_method 0..3. Values do not matter here."""
+    if method == 3:
+        from cpumoe_testing import Int4Weights
+
+        assert lead == (E,), "shared_expert_cpu has no int4 scheme"
+        w = Int4Weights(E, N, K, 32)
+        return w.p1[0], w.p2[0], dict(w1_scale=w.p1[2], w2_scale=w.p2[2], w1_zero=w.p1[1],
+                                      w2_zero=w.p2[1])
     dt = {0: BF16, 1: torch.int8, 2: torch.float8_e4m3fn}[method]
     w1 = pack(torch.zeros(*lead, 2 * N, K).to(dt))
     w2 = pack(torch.zeros(*lead, K, N).to(dt))
@@ -594,7 +601,8 @@ def call_fused(method=0, *, cpu_kernel=False, **over):
     if cpu_kernel:
         return torch.ops.cpumoe.fused_experts_cpu.bias.redispatch(
             CPU_KEYS, a["hidden_states"], a["w1"], a["w2"], a["topk_weights"], a["topk_ids"],
-            False, method, a.get("w1_scale"), a.get("w2_scale"), None, None,
+            False, method, a.get("w1_scale"), a.get("w2_scale"), a.get("w1_zero"),
+            a.get("w2_zero"),
             a.get("block_size"), a.get("w1_bias"), a.get("w2_bias"), None, None, True)
     return cpumoe.fused_experts(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
                                 a.pop("topk_weights"), a.pop("topk_ids"), **a)
@@ -649,6 +657,7 @@ class Rejected:
     call: Callable[[], object]
     exc: type = RuntimeError
     truncate: bool = False  # the doc shows the first sentence (torch's long messages)
+    unnamed: bool = False  # a known gap: the message does not name `arg` (yet)
 
     def __str__(self):
         return f"{self.section}/{self.arg or '-'}/{self.what}"
@@ -684,6 +693,26 @@ def _s(arg, what, method=0, **over):
 
 def _p(arg, what, weight_fn, section="pack"):
     return Rejected(section, arg, what, lambda: call_pack(weight_fn()))
+
+
+def _f4(arg, what, **over):
+    return Rejected("int4", arg, what, lambda: call_fused(3, **over))
+
+
+def call_pack_int4(cpu_kernel=False, method=0, oc=64, ic=256, group=128, **over):
+    """convert_weight_packed_scale_zp of valid AWQ tensors [2, oc, ic], `over` applied."""
+    from cpumoe import quant
+
+    qw, qz, sc = quant.quantize_int4(torch.zeros(2, oc, ic), group, "awq")
+    a = _apply(dict(qweight=qw, qzeros=qz, scales=sc), over)
+    if cpu_kernel:
+        return torch.ops.cpumoe.convert_weight_packed_scale_zp.default.redispatch(
+            CPU_KEYS, a["qweight"], a["qzeros"], a["scales"], method)
+    return cpumoe.convert_weight_packed_scale_zp(a["qweight"], a["qzeros"], a["scales"], method)
+
+
+def _q(arg, what, unnamed=False, **over):
+    return Rejected("int4", arg, what, lambda: call_pack_int4(**over), unnamed=unnamed)
 
 
 def _big_k_int8():
@@ -835,6 +864,8 @@ CATALOGUE = [
        lambda: torch.zeros(32, 48, dtype=BF16)),
     _p("weight", "int8, columns (IC) above 65536", lambda: torch.zeros(32, 65568,
                                                                         dtype=torch.int8)),
+    _p("weight", "uint8 (SGLang's MXFP4 layout) with 16 or more rows",
+       lambda: torch.zeros(2, 32, 64, dtype=torch.uint8)),
     # -- devices and layouts (any tensor argument of any op) ------------------------------
     Rejected("devices", "w1", "a meta tensor among CPU tensors",
              lambda: call_fused(0, w1=_meta("w1"))),
@@ -871,12 +902,54 @@ CATALOGUE = [
              **SPARSE),
     Rejected("devices", "", "a sparse tensor (convert_weight_packed)",
              lambda: call_pack(torch.zeros(32, 64, dtype=BF16).to_sparse()), **SPARSE),
-    # -- INT4 W4A8 (moe_comp_method 3) ------------------------------------------------------
-    Rejected("int4", "moe_comp_method", "3 (INT4 W4A8)",
-             lambda: call_fused(0, moe_comp_method=3, w1_scale=torch.ones(E, 2 * N, 1),
-                                w2_scale=torch.ones(E, K, 1))),
-    _p("weight", "uint8 (int4 or mxfp4) with 32 or more rows",
-       lambda: torch.zeros(2, 32, 64, dtype=torch.uint8), section="int4"),
+    # -- INT4 W4A8 (moe_comp_method 3) ----------------------------------------------------
+    # Weights from convert_weight_packed_scale_zp: w1 [E, 2N/32, K/bk, 16 bk + 128] uint8,
+    # scales fp32 and zeros int8 [E, OC/32, groups, 32]; group 32 here (bk = 32).
+    _f4("is_vnni", "False (there is no unpacked int4 format)", is_vnni=False),
+    _f4("block_size", "given", block_size=[32, 32]),
+    _f4("w1", "not 4-D", w1=lambda a: a["w1"].flatten(1, 2)),
+    _f4("w1_scale", "missing", w1_scale=DROP),
+    _f4("w2_zero", "missing", w2_zero=DROP),
+    _f4("w1_scale", "not float32", w1_scale=lambda a: a["w1_scale"].half()),
+    _f4("w1_zero", "not int8", w1_zero=lambda a: a["w1_zero"].int()),
+    _f4("w2_scale", "not 4-D [E, OC/32, groups, 32]", w2_scale=lambda a: a["w2_scale"][..., 0]),
+    _f4("w1_scale", "an odd number of 32-row blocks (2N must be even)",
+        w1_scale=lambda a: a["w1_scale"][:, :1].contiguous(),
+        w1_zero=lambda a: a["w1_zero"][:, :1].contiguous()),
+    _f4("w1_zero", "shape other than w1_scale's",
+        w1_zero=lambda a: a["w1_zero"][:, :, :1].contiguous()),
+    _f4("w2_scale", "blocks of 32 rows other than K / 32",
+        w2_scale=lambda a: a["w2_scale"][:, :1].contiguous(),
+        w2_zero=lambda a: a["w2_zero"][:, :1].contiguous()),
+    _f4("w1_scale", "not contiguous", w1_scale=lambda a: _transposed(a["w1_scale"])),
+    _f4("w1", "a group size int4 does not support (here 192)",
+        hidden_states=torch.zeros(M, 384, dtype=BF16), w1_scale=torch.ones(E, 2, 2, 32),
+        w1_zero=torch.zeros(E, 2, 2, 32, dtype=torch.int8)),
+    _f4("w1", "not uint8", w1=lambda a: a["w1"].view(torch.int8)),
+    _f4("w1", "shape other than the packed one", w1=lambda a: a["w1"][..., :-1].contiguous()),
+    _f4("w2", "not contiguous",
+        w2=lambda a: a["w2"].transpose(0, 1).contiguous().transpose(0, 1)),
+    _q("quant_method_4bit", "not 0 (AWQ) or 1 (GPTQ)", method=2),
+    _q("weight", "not int32", qweight=lambda a: a["qweight"].long()),
+    _q("qzeros", "not int32", qzeros=lambda a: a["qzeros"].short()),
+    _q("scales", "not bfloat16/float16/float32", scales=lambda a: a["scales"].double()),
+    _q("scales", "not 2-D or 3-D", scales=lambda a: a["scales"][None]),
+    _q("weight", "2-D while the others are 3-D", qweight=lambda a: a["qweight"][0]),
+    _q("qzeros", "not contiguous", qzeros=lambda a: _transposed(a["qzeros"])),
+    _q("weight", "experts other than qzeros' and scales'",
+       qzeros=lambda a: a["qzeros"][:1], scales=lambda a: a["scales"][:1]),
+    _q("scales", "columns other than out_features",
+       scales=lambda a: a["scales"][..., :32].contiguous()),
+    _q("qzeros", "shape other than [groups, out_features / 8]",
+       qzeros=lambda a: a["qzeros"][:, :1].contiguous()),
+    _q("weight", "out_features not a multiple of 32", oc=16),
+    _q("scales", "groups that do not divide in_features (here 3)",
+       qzeros=torch.zeros(2, 3, 8, dtype=torch.int32),
+       scales=torch.ones(2, 3, 64, dtype=torch.float16)),
+    _q("scales", "a group size int4 does not support (here 192)", ic=384, group=192,
+       unnamed=True),
+    Rejected("int4", "weight", "not a CPU tensor, reaching the CPU kernel",
+             lambda: call_pack_int4(cpu_kernel=True, qweight=_meta("qweight"))),
 ]
 
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
@@ -897,14 +970,18 @@ def observed_message(case: Rejected) -> str:
     raise AssertionError(f"{case}: the op accepted the input")
 
 
-@pytest.mark.parametrize("method", [0, 1, 2])
+@pytest.mark.parametrize("method", [0, 1, 2, 3])
 def test_catalogue_baselines_pass(method):
     """The valid arguments every catalogue case perturbs are accepted."""
     assert call_fused(method).shape == (M, K)
     assert call_fused(method, cpu_kernel=True).shape == (M, K)
-    assert call_shared(method).shape == (M, K)
-    assert call_shared(method, cpu_kernel=True).shape == (M, K)
     assert call_fused(method, **WITH_BIAS).shape == (M, K)
+    if method < 3:
+        assert call_shared(method).shape == (M, K)
+        assert call_shared(method, cpu_kernel=True).shape == (M, K)
+    else:
+        assert call_pack_int4()[0].dtype == torch.uint8
+        assert call_pack_int4(cpu_kernel=True)[0].dtype == torch.uint8
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=str)
@@ -912,12 +989,14 @@ def test_rejected(case):
     """Each case raises its exception type with a message that starts with the op's name
     and names the argument (a whole word: `w1` is not found in `w1_bias`)."""
     msg = observed_message(case)
-    op = SECTIONS[case.section] or r"(fused_experts_cpu|shared_expert_cpu|convert_weight_packed)"
+    op = SECTIONS[case.section] or (r"(fused_experts_cpu|shared_expert_cpu|"
+                                    r"convert_weight_packed|convert_weight_packed_scale_zp)")
     if case.exc is NotImplementedError:  # torch's dispatcher: no kernel for the tensor type
         op = r"Could not run 'cpumoe::(fused_experts_cpu|convert_weight_packed)'"
     assert re.match(rf"{op}: " if case.exc is RuntimeError else op, msg), msg
     if case.arg:
-        assert re.search(rf"(?<![\w.]){re.escape(case.arg)}s?\b", msg), (case.arg, msg)
+        named = re.search(rf"(?<![\w.]){re.escape(case.arg)}s?\b", msg) is not None
+        assert named != case.unnamed, (case.arg, msg, "unnamed" if case.unnamed else "")
 
 
 def test_catalogue_has_no_duplicates():
@@ -938,6 +1017,8 @@ def doc_table(section: str) -> str:
         if case.truncate:
             msg = msg.split(". ")[0] + ". …"
         arg = f"`{case.arg}`" if case.arg else "any tensor"
+        if case.unnamed:
+            arg += " (not named in the message)"
         rows.append(f"| {arg} | {case.what.replace('|', '/')} | `{msg.replace('|', '/')}` |")
     return "\n".join(rows)
 
