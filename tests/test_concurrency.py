@@ -20,6 +20,7 @@ import torch
 
 import cpumoe
 from cpumoe_testing import (
+    Int4Weights,
     make_bias,
     make_fp8_weights,
     make_int8_weights,
@@ -42,13 +43,16 @@ def _fused_case(method, M, E, topk, N, K, dtype, bias=False):
     elif method == 1:
         w1, s1, w2, s2 = make_int8_weights(E, N, K)
         kw = dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
+    elif method == 3:
+        w = Int4Weights(E, N, K, 64)
+        kw = w.op_kwargs()
     else:
         w1, s1, w2, s2 = make_fp8_weights(E, N, K, (64, 64))
         kw = dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=[64, 64])
     if bias:
         b1, b2 = make_bias(E, N, K)
         kw.update(w1_bias=b1, w2_bias=b2, alpha=1.702, limit=7.0)
-    pw1, pw2 = pack(w1), pack(w2)
+    pw1, pw2 = (w.p1[0], w.p2[0]) if method == 3 else (pack(w1), pack(w2))
     return lambda: cpumoe.fused_experts(x, pw1, pw2, tw, ti, **kw)
 
 
@@ -66,7 +70,7 @@ def _pack_case():
 
 
 def cases():
-    """Calls of different schemes, dtypes and sizes (workspaces from ~50 KiB to ~3 MiB)."""
+    """Calls of every scheme, dtypes and sizes (workspaces from ~50 KiB to ~3 MiB)."""
     bf16, fp16 = torch.bfloat16, torch.float16
     return [
         _fused_case(0, 3, 8, 2, 64, 128, bf16),
@@ -76,6 +80,8 @@ def cases():
         _fused_case(2, 40, 8, 2, 128, 128, bf16),
         _fused_case(2, 120, 4, 2, 64, 256, fp16, bias=True),
         _fused_case(0, 64, 16, 1, 96, 64, bf16, bias=True),
+        _fused_case(3, 33, 8, 2, 64, 128, bf16),
+        _fused_case(3, 130, 4, 3, 128, 256, fp16, bias=True),
         _shared_case(90, 128, 128, bf16),
         _pack_case(),
     ]

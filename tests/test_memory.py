@@ -1,6 +1,6 @@
 """Resident memory stays flat over 2000 calls of each op and scheme.
 
-The binding allocates only the output, the cached per-thread workspace (grown, never
+Every scheme is covered. The binding allocates only the output, the cached per-thread workspace (grown, never
 shrunk) and, with is_vnni=False, the per-call packed copies; all of it must go back to the
 allocator. After a warm-up, RSS (from /proc/self/statm) is sampled every 250 calls; it
 may not rise more than SLACK above the first sample. Measured: without a leak the rise was
@@ -18,6 +18,7 @@ import torch
 
 import cpumoe
 from cpumoe_testing import (
+    Int4Weights,
     make_fp8_weights,
     make_int8_weights,
     make_routing,
@@ -59,10 +60,13 @@ def _fused(method, is_vnni=True, bad_ids=False):
     elif method == 1:
         w1, s1, w2, s2 = make_int8_weights(E, N, K)
         kw = dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
+    elif method == 3:
+        w = Int4Weights(E, N, K, 32)
+        w1, w2, kw = w.p1[0], w.p2[0], w.op_kwargs()
     else:
         w1, s1, w2, s2 = make_fp8_weights(E, N, K, (32, 32))
         kw = dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=[32, 32])
-    if is_vnni:
+    if is_vnni and method != 3:
         w1, w2 = pack(w1), pack(w2)
 
     def call():
@@ -85,6 +89,7 @@ CASES = {
     "bf16": lambda: _fused(0),
     "int8": lambda: _fused(1),
     "fp8": lambda: _fused(2),
+    "int4": lambda: _fused(3),
     "int8-unpacked": lambda: _fused(1, is_vnni=False),  # packs w1/w2 on every call
     "bf16-rejected": lambda: _fused(0, bad_ids=True),  # the error path
     "shared": _shared,

@@ -1,5 +1,5 @@
-"""The NaN/Inf policy of docs/ERRORS.md ("NaN and Inf"), for moe_comp_method 0, 1 and 2 on
-every tier:
+"""The NaN/Inf policy of docs/ERRORS.md ("NaN and Inf"), for moe_comp_method 0, 1 and 2 (and
+3 for activations and topk weights) on every tier:
 
 * NaN/Inf in a token's activations reach that token's output row only (with silu·mul the
   whole row becomes non-finite; INT8 makes it exactly NaN, see below; with the clamped
@@ -8,7 +8,7 @@ every tier:
   w1-side value poisons their whole rows, a w2-side value (row k of w2, its scale, w2_bias[k])
   only column k;
 * NaN in a topk weight poisons its token's row only;
-* INT8 activation quantization of a row holding Inf or NaN: its absmax is Inf/NaN, so the
+* INT8 (and INT4) activation quantization of a row holding Inf or NaN: its absmax is Inf/NaN, so the
   row scale is Inf/NaN, every code is 0 (x * 127/Inf = 0; a NaN or Inf element becomes 0),
   and dequantization gives 0 * Inf or 0 * NaN: the token's outputs are all NaN, never Inf.
 
@@ -25,6 +25,7 @@ import cpumoe
 from cpumoe import reference
 from cpumoe_testing import (
     DTYPES,
+    Int4Weights,
     make_fp8_weights,
     make_int8_weights,
     make_routing,
@@ -35,12 +36,20 @@ from cpumoe_testing import (
 M, E, TOPK, N, K = 30, 4, 2, 64, 96  # 30 tokens: panels hold several tokens on every tier
 BLOCK = [32, 32]
 SCHEMES = {0: "bf16", 1: "int8", 2: "fp8"}
+# INT4 quantizes activations like INT8; its weight-side poisons are not covered here
+ACT_SCHEMES = {**SCHEMES, 3: "int4"}
 NAN, INF = float("nan"), float("inf")
 
 
 def problem(method: int, dtype=torch.bfloat16) -> dict:
-    """Unpacked arguments of reference.fused_experts for a problem of `method`."""
+    """Unpacked arguments of reference.fused_experts for a problem of `method` (INT4: plus
+    the packed tensors under "packed", which `run` uses)."""
     x = torch.randn(M, K).to(dtype)
+    if method == 3:
+        w = Int4Weights(E, N, K, 32)
+        tw, ti = make_routing(M, E, TOPK)
+        return dict(hidden_states=x, w1=w.u1[0], w2=w.u2[0], topk_weights=tw, topk_ids=ti,
+                    **w.ref_kwargs(), packed=(w.p1[0], w.p2[0], w.op_kwargs()))
     if method == 0:
         w1, w2 = make_weights(E, N, K, dtype)
         scales = {}
@@ -57,9 +66,18 @@ def problem(method: int, dtype=torch.bfloat16) -> dict:
 
 def run(p: dict) -> torch.Tensor:
     a = dict(p)
-    w1, w2 = pack(a.pop("w1")), pack(a.pop("w2"))
+    w1, w2 = a.pop("w1"), a.pop("w2")
+    if "packed" in a:  # INT4: the op takes convert_weight_packed_scale_zp's tensors
+        w1, w2, kw = a.pop("packed")
+        a = dict(a, **kw)
+    else:
+        w1, w2 = pack(w1), pack(w2)
     return cpumoe.fused_experts(a.pop("hidden_states"), w1, w2, a.pop("topk_weights"),
                                 a.pop("topk_ids"), **a)
+
+
+def ref(p: dict) -> torch.Tensor:
+    return reference.fused_experts(**{k: v for k, v in p.items() if k != "packed"})
 
 
 def check(out, clean, ref, poisoned_rows, cols=None, exactly_nan=False):
@@ -81,7 +99,7 @@ def check(out, clean, ref, poisoned_rows, cols=None, exactly_nan=False):
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-@pytest.mark.parametrize("method", SCHEMES, ids=SCHEMES.get)
+@pytest.mark.parametrize("method", ACT_SCHEMES, ids=ACT_SCHEMES.get)
 def test_nonfinite_activations_stay_in_their_token(isa, method, dt):
     p = problem(method, DTYPES[dt])
     p["topk_ids"][17] = -1
@@ -96,12 +114,12 @@ def test_nonfinite_activations_stay_in_their_token(isa, method, dt):
     x[21, 3] = INF
     p["hidden_states"] = x
     out = run(p)
-    # INT8: exactly NaN (see the module docstring); 16-bit/FP8 weights: non-finite
-    check(out, clean, reference.fused_experts(**p), [0, 5, 9, 13, 21], exactly_nan=method == 1)
+    # INT8/INT4: exactly NaN (see the module docstring); 16-bit/FP8 weights: non-finite
+    check(out, clean, ref(p), [0, 5, 9, 13, 21], exactly_nan=method in (1, 3))
     assert torch.equal(out[17], torch.zeros(K, dtype=x.dtype))
 
 
-@pytest.mark.parametrize("method", SCHEMES, ids=SCHEMES.get)
+@pytest.mark.parametrize("method", ACT_SCHEMES, ids=ACT_SCHEMES.get)
 def test_swiglu_clamp_keeps_nonfinite_in_token(isa, method):
     """The clamped swiglu clips +Inf gate/up values to `limit`, so an Inf can come out
     finite (as in the reference); whatever comes out, it stays in its token."""
@@ -117,8 +135,7 @@ def test_swiglu_clamp_keeps_nonfinite_in_token(isa, method):
     keep = torch.ones(M, dtype=torch.bool)
     keep[[2, 11, 12]] = False
     assert torch.equal(out[keep], clean[keep])
-    assert torch.equal(torch.isfinite(out.float()), torch.isfinite(reference.fused_experts(**p)
-                                                                   .float()))
+    assert torch.equal(torch.isfinite(out.float()), torch.isfinite(ref(p).float()))
     assert not torch.isfinite(out[11].float()).all()
 
 
@@ -203,15 +220,15 @@ def test_nonfinite_weight_stays_in_its_expert(isa, method, where):
     clean = run(p)
     cols = POISONS[where](method)(p)
     out = run(p)
-    check(out, clean, reference.fused_experts(**p), _hit_rows(p, 1), cols,
+    check(out, clean, ref(p), _hit_rows(p, 1), cols,
           exactly_nan=cols is None)
 
 
-@pytest.mark.parametrize("method", SCHEMES, ids=SCHEMES.get)
+@pytest.mark.parametrize("method", ACT_SCHEMES, ids=ACT_SCHEMES.get)
 def test_nan_topk_weight_stays_in_its_token(isa, method):
     p = problem(method)
     clean = run(p)
     p["topk_weights"] = p["topk_weights"].clone()
     p["topk_weights"][6, 1] = NAN
     out = run(p)
-    check(out, clean, reference.fused_experts(**p), [6], exactly_nan=True)
+    check(out, clean, ref(p), [6], exactly_nan=True)

@@ -1,7 +1,8 @@
 """Property-based test: fused_experts_cpu against reference.py on drawn problems.
 
 Hypothesis draws the shape (M 0..70, K and N multiples of 32 up to 256, E 1..9,
-topk 1..min(E, 4)), the activation dtype, the weight scheme, the ISA tier, the routing
+topk 1..min(E, 4)), the activation dtype, the weight scheme (bf16/fp16, INT8, FP8 with its
+block size, INT4 with its group size and checkpoint format), the ISA tier, the routing
 (distinct experts, duplicates within a token, -1 slots, all tokens to one expert, a few
 experts only), bias or not, silu or clamped swiglu, packed or per-call packing, the id and
 weight dtypes; then compares with the reference under the scheme's tolerance from
@@ -15,6 +16,7 @@ example seeds torch from a drawn seed. A new scheme is one SCHEMES entry.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -29,12 +31,15 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     TOL_FP8,
     TOL_INT8,
+    Int4Weights,
+    assert_int4_close,
     assert_moe_close,
     assert_row_close,
     make_fp8_weights,
     make_int8_weights,
     make_weights,
     pack,
+    ref_int4,
     use_isa,
 )
 
@@ -53,7 +58,8 @@ class Scheme:
     # (E, N, K, act dtype, params) -> unpacked weights and scales as keyword arguments of
     # reference.fused_experts (w1, w2, w1_scale, ...)
     make: Callable[..., dict]
-    # (unpacked from make, is_vnni) -> (w1, w2, extra op keyword arguments)
+    # (unpacked from make, is_vnni) -> (w1, w2, extra op keyword arguments, which may
+    # override is_vnni)
     op_args: Callable[[dict, bool], tuple]
     # (out, ref, msg): raises if out is not within the scheme's tolerance of ref
     check: Callable[[torch.Tensor, torch.Tensor, str], None]
@@ -88,6 +94,19 @@ def _make_fp8(E, N, K, dtype, block):
     return dict(w1=w1, w2=w2, w1_scale=s1, w2_scale=s2, block_size=list(block))
 
 
+def _make_int4(E, N, K, dtype, params):
+    """Int4Weights with the drawn group size where it divides K (w1) and N (w2), else the
+    largest power of two below it that does (32 always does)."""
+    group, fmt = params
+    return dict(int4=Int4Weights(E, N, K, math.gcd(group, K), fmt, group2=math.gcd(group, N)))
+
+
+def _int4_op_args(weights: dict, is_vnni: bool) -> tuple:
+    w = weights["int4"]
+    kw = {k: v for k, v in w.op_kwargs().items() if k != "moe_comp_method"}
+    return w.p1[0], w.p2[0], dict(kw, is_vnni=True)  # int4 exists only packed
+
+
 SCHEMES = {
     "bf16/fp16": Scheme(0, _make_16bit, pack_w1_w2,
                         lambda out, ref, msg: assert_moe_close(out, ref, msg)),
@@ -99,6 +118,12 @@ SCHEMES = {
                   lambda out, ref, msg: assert_row_close(out, ref, TOL_FP8, msg),
                   st.sampled_from([(128, 128), (32, 32), (64, 32), (16, 48), (96, 64),
                                    (1, 2)])),
+    # group sizes (cut to divide K and N), AWQ and GPTQ checkpoints
+    "int4": Scheme(3, _make_int4, _int4_op_args,
+                   lambda out, ref, msg: assert_int4_close(out, ref, msg),
+                   st.tuples(st.sampled_from([32, 64, 128, 256]),
+                             st.sampled_from(["awq", "gptq"])),
+                   lambda method, x, w, tw, ti, act: ref_int4(x, w["int4"], tw, ti, **act)),
 }
 
 ROUTINGS = ("distinct", "duplicates", "one_expert", "few_experts")
@@ -159,9 +184,9 @@ def run_problem(pb: dict):
     if pb["swiglu"]:
         act.update(alpha=1.702, limit=7.0)
     w1, w2, kw = scheme.op_args(weights, pb["is_vnni"])
+    kw = dict(dict(is_vnni=pb["is_vnni"]), **kw, **act)
     with use_isa(pb["tier"]):
-        out = cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=scheme.method,
-                                   is_vnni=pb["is_vnni"], **kw, **act)
+        out = cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=scheme.method, **kw)
     return out, scheme.reference(scheme.method, x, weights, tw, ti, act)
 
 
@@ -174,11 +199,12 @@ def _example(**over):
 
 # Explicit corners on top of the drawn examples: the largest shapes with duplicates and -1
 # slots, an FP8 block_k that divides neither K nor N, every slot of every token on one INT8
-# expert, every slot -1.
+# expert, every slot -1, an INT4 GPTQ group of 256 (more than one 128-wide k block).
 @_example(scheme="fp8", params=(16, 48), K=256, N=256, dtype="fp16", swiglu=True)
 @_example(scheme="int8", routing="one_expert", drop=0.0, swiglu=True, is_vnni=False,
           tier=SUPPORTED_ISAS[-1], K=256, N=32)
 @_example(M=5, drop=1.0, bias=False, tier=SUPPORTED_ISAS[-1])
+@_example(scheme="int4", params=(256, "gptq"), K=256, N=128, routing="distinct", swiglu=True)
 @settings(max_examples=120, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(problems())
