@@ -649,3 +649,23 @@ def int4_exact_reference(x, w: Int4Weights, tw, ti, w1_bias=None, w2_bias=None, 
 def assert_int4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                       max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_INT4, msg, max_mismatch)
+
+
+# ---------------------------------------------------------------------------------------
+# Any scheme.
+
+
+def make_scheme_weights(method: int, E: int, N: int, K: int, dtype=torch.bfloat16,
+                        block=(32, 32)):
+    """Unpacked w1 [E, 2N, K], w2 [E, K, N] of moe_comp_method 0 (in `dtype`), 1 (int8) or 2
+    (fp8 with `block`), and the keyword arguments that go with them (moe_comp_method,
+    scales, block_size), which the op (after packing w1/w2) and reference.fused_experts
+    both take. INT4 has its own form: Int4Weights."""
+    if method == 0:
+        w1, w2 = make_weights(E, N, K, dtype)
+        return w1, w2, dict(moe_comp_method=0)
+    if method == 1:
+        w1, s1, w2, s2 = make_int8_weights(E, N, K)
+        return w1, w2, dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
+    w1, s1, w2, s2 = make_fp8_weights(E, N, K, block)
+    return w1, w2, dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=list(block))

@@ -22,9 +22,8 @@ import cpumoe
 from cpumoe_testing import (
     Int4Weights,
     make_bias,
-    make_fp8_weights,
-    make_int8_weights,
     make_routing,
+    make_scheme_weights,
     make_weights,
     pack,
 )
@@ -37,22 +36,15 @@ CALLS = 3000
 def _fused_case(method, M, E, topk, N, K, dtype, bias=False):
     x = torch.randn(M, K).to(dtype)
     tw, ti = make_routing(M, E, topk, drop_prob=0.1)
-    if method == 0:
-        w1, w2 = make_weights(E, N, K, dtype)
-        kw = {}
-    elif method == 1:
-        w1, s1, w2, s2 = make_int8_weights(E, N, K)
-        kw = dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
-    elif method == 3:
+    if method == 3:
         w = Int4Weights(E, N, K, 64)
-        kw = w.op_kwargs()
+        pw1, pw2, kw = w.p1[0], w.p2[0], w.op_kwargs()
     else:
-        w1, s1, w2, s2 = make_fp8_weights(E, N, K, (64, 64))
-        kw = dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=[64, 64])
+        w1, w2, kw = make_scheme_weights(method, E, N, K, dtype, block=(64, 64))
+        pw1, pw2 = pack(w1), pack(w2)
     if bias:
         b1, b2 = make_bias(E, N, K)
         kw.update(w1_bias=b1, w2_bias=b2, alpha=1.702, limit=7.0)
-    pw1, pw2 = (w.p1[0], w.p2[0]) if method == 3 else (pack(w1), pack(w2))
     return lambda: cpumoe.fused_experts(x, pw1, pw2, tw, ti, **kw)
 
 
@@ -67,6 +59,16 @@ def _shared_case(M, N, K, dtype):
 def _pack_case():
     w = torch.randn(6, 128, 96).to(torch.bfloat16)
     return lambda: cpumoe.convert_weight_packed(w)
+
+
+def run_threads(target) -> None:
+    """Runs target(t) for t in 0..THREADS-1, each in its own thread; fails on a hang."""
+    threads = [threading.Thread(target=target, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "hang"
 
 
 def cases():
@@ -109,12 +111,7 @@ def test_threads_match_serial(intra_op_threads):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"thread {t}: {e!r}")
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "hang"
+    run_threads(worker)
     assert not errors, errors
     assert not mismatches, f"(thread, round, case) differing from the serial result: {mismatches}"
 
@@ -146,10 +143,5 @@ def test_errors_in_threads_are_their_own():
                 if want not in str(e):
                     problems.append(f"thread {t}: {e} (wanted {want})")
 
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "hang"
+    run_threads(caller)
     assert not problems, problems[:5]

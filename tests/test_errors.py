@@ -387,19 +387,12 @@ def test_unaligned_tensors_accepted(isa, method):
     """Accepted, not an error: contiguous tensors that do not start on an alignment
     boundary (views with a storage offset) give the bits of aligned copies, for every
     tensor argument, packed or packed per call, and in shared_expert_cpu."""
-    from cpumoe_testing import make_fp8_weights, make_int8_weights
+    from cpumoe_testing import make_scheme_weights
 
     x = torch.randn(M, K).to(BF16)
     tw, ti = make_routing(M, E, TOPK)
-    if method == 0:
-        w1, w2 = make_weights(E, N, K, BF16)
-        kw = {}
-    elif method == 1:
-        w1, s1, w2, s2 = make_int8_weights(E, N, K)
-        kw = dict(w1_scale=s1, w2_scale=s2)
-    else:
-        w1, s1, w2, s2 = make_fp8_weights(E, N, K, (32, 32))
-        kw = dict(w1_scale=s1, w2_scale=s2, block_size=[32, 32])
+    w1, w2, kw = make_scheme_weights(method, E, N, K)
+    del kw["moe_comp_method"]
     b1, b2 = make_bias(E, N, K)
     off = {k: _unaligned(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     assert _unaligned(x).data_ptr() % 4 != 0

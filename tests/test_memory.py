@@ -19,9 +19,8 @@ import torch
 import cpumoe
 from cpumoe_testing import (
     Int4Weights,
-    make_fp8_weights,
-    make_int8_weights,
     make_routing,
+    make_scheme_weights,
     make_weights,
     pack,
 )
@@ -54,20 +53,13 @@ def _fused(method, is_vnni=True, bad_ids=False):
     tw, ti = make_routing(M, E, TOPK)
     if bad_ids:
         ti[3, 1] = E
-    if method == 0:
-        w1, w2 = make_weights(E, N, K, torch.bfloat16)
-        kw = {}
-    elif method == 1:
-        w1, s1, w2, s2 = make_int8_weights(E, N, K)
-        kw = dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
-    elif method == 3:
+    if method == 3:
         w = Int4Weights(E, N, K, 32)
         w1, w2, kw = w.p1[0], w.p2[0], w.op_kwargs()
     else:
-        w1, s1, w2, s2 = make_fp8_weights(E, N, K, (32, 32))
-        kw = dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=[32, 32])
-    if is_vnni and method != 3:
-        w1, w2 = pack(w1), pack(w2)
+        w1, w2, kw = make_scheme_weights(method, E, N, K)
+        if is_vnni:
+            w1, w2 = pack(w1), pack(w2)
 
     def call():
         try:

@@ -26,15 +26,13 @@ from cpumoe import reference
 from cpumoe_testing import (
     DTYPES,
     Int4Weights,
-    make_fp8_weights,
-    make_int8_weights,
     make_routing,
-    make_weights,
+    make_scheme_weights,
     pack,
 )
 
 M, E, TOPK, N, K = 30, 4, 2, 64, 96  # 30 tokens: panels hold several tokens on every tier
-BLOCK = [32, 32]
+BLOCK = (32, 32)
 SCHEMES = {0: "bf16", 1: "int8", 2: "fp8"}
 # INT4 quantizes activations like INT8; its weight-side poisons are not covered here
 ACT_SCHEMES = {**SCHEMES, 3: "int4"}
@@ -50,18 +48,9 @@ def problem(method: int, dtype=torch.bfloat16) -> dict:
         tw, ti = make_routing(M, E, TOPK)
         return dict(hidden_states=x, w1=w.u1[0], w2=w.u2[0], topk_weights=tw, topk_ids=ti,
                     **w.ref_kwargs(), packed=(w.p1[0], w.p2[0], w.op_kwargs()))
-    if method == 0:
-        w1, w2 = make_weights(E, N, K, dtype)
-        scales = {}
-    elif method == 1:
-        w1, s1, w2, s2 = make_int8_weights(E, N, K)
-        scales = dict(w1_scale=s1, w2_scale=s2)
-    else:
-        w1, s1, w2, s2 = make_fp8_weights(E, N, K, BLOCK)
-        scales = dict(w1_scale=s1, w2_scale=s2, block_size=BLOCK)
+    w1, w2, kw = make_scheme_weights(method, E, N, K, dtype, BLOCK)
     tw, ti = make_routing(M, E, TOPK)
-    return dict(hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ti,
-                moe_comp_method=method, **scales)
+    return dict(hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ti, **kw)
 
 
 def run(p: dict) -> torch.Tensor:
