@@ -939,8 +939,7 @@ CATALOGUE = [
     _q("scales", "groups that do not divide in_features (here 3)",
        qzeros=torch.zeros(2, 3, 8, dtype=torch.int32),
        scales=torch.ones(2, 3, 64, dtype=torch.float16)),
-    _q("scales", "a group size int4 does not support (here 192)", ic=384, group=192,
-       unnamed=True),
+    _q("scales", "a group size int4 does not support (here 192)", ic=384, group=192),
     Rejected("int4", "weight", "not a CPU tensor, reaching the CPU kernel",
              lambda: call_pack_int4(cpu_kernel=True, qweight=_meta("qweight"))),
 ]

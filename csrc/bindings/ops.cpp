@@ -300,8 +300,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
               groups, " groups (scales.size(-2))");
   const int64_t group = ic / groups, bk = cpumoe_int4_block_k(group);
   TORCH_CHECK(bk > 0, op, ": group size ", group, " (", ic, " input features / ", groups,
-              " groups) is not supported: it must be a multiple of 4 that is at most 128, or a "
-              "multiple of 128");
+              " groups in scales) is not supported: it must be a multiple of 4 that is at most "
+              "128, or a multiple of 128");
   auto shaped = [&](std::vector<int64_t> dims) {
     if (experts) dims.insert(dims.begin(), E);
     return dims;
