@@ -1,5 +1,5 @@
 """The NaN/Inf policy of docs/ERRORS.md ("NaN and Inf"), for moe_comp_method 0, 1 and 2 (and
-3 for activations and topk weights) on every tier:
+3 for activations, topk weights and group scales) on every tier:
 
 * NaN/Inf in a token's activations reach that token's output row only (with silu·mul the
   whole row becomes non-finite; INT8 makes it exactly NaN, see below; with the clamped
@@ -34,7 +34,7 @@ from cpumoe_testing import (
 M, E, TOPK, N, K = 30, 4, 2, 64, 96  # 30 tokens: panels hold several tokens on every tier
 BLOCK = (32, 32)
 SCHEMES = {0: "bf16", 1: "int8", 2: "fp8"}
-# INT4 quantizes activations like INT8; its weight-side poisons are not covered here
+# INT4 quantizes activations like INT8; its group scales: test_int4_nonfinite_scale_stays_in_its_expert
 ACT_SCHEMES = {**SCHEMES, 3: "int4"}
 NAN, INF = float("nan"), float("inf")
 
@@ -221,3 +221,25 @@ def test_nan_topk_weight_stays_in_its_token(isa, method):
     p["topk_weights"][6, 1] = NAN
     out = run(p)
     check(out, clean, ref(p), [6], exactly_nan=True)
+
+
+@pytest.mark.parametrize("side", ["w1", "w2"])
+def test_int4_nonfinite_scale_stays_in_its_expert(isa, side):
+    """INT4: a NaN in a w1 group scale of expert 1 poisons its tokens' whole rows; an Inf in
+    a w2 group scale (output row k = 40) only column 40 of them. The packed scales
+    [E, OC/32, G, 32] and the reference's [E, OC, G] carry the same poison."""
+    p = problem(3)
+    clean = run(p)
+    w1p, w2p, kw = p["packed"]
+    kw = dict(kw)
+    if side == "w1":
+        row, group, value, name, cols = N + 7, 2, NAN, "w1_scale", None  # up row 7, k 64..95
+    else:
+        row, group, value, name, cols = 40, 1, INF, "w2_scale", [40]
+    packed = kw[name].clone()
+    packed[1, row // 32, group, row % 32] = value
+    unpacked = p[name].clone()
+    unpacked[1, row, group] = value
+    kw[name] = packed
+    p.update({name: unpacked, "packed": (w1p, w2p, kw)})
+    check(run(p), clean, ref(p), _hit_rows(p, 1), cols, exactly_nan=cols is None)
