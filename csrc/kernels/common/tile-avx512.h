@@ -2,19 +2,28 @@
  * The fp32 register tile shared by the AVX-512 GEMM micro-kernels (unquant/, fp8/):
  * rows r < mr <= 12 of a C tile [mr][32] live in acc0[r] (columns 0..15) and acc1[r]
  * (16..31), 24 zmm. Each update is one FMA per accumulator, in k order: every C
- * element stays one sequential fp32 FMA chain (the scalar tier's bits).
+ * element stays one sequential fp32 FMA chain (the scalar tier's bits). Also the A-side
+ * broadcast of the u8 kernels (int8/, int4/).
  * Include only from files compiled with the avx512 tier's flags.
  */
 #ifndef CPUMOE_COMMON_TILE_AVX512_H
 #define CPUMOE_COMMON_TILE_AVX512_H
 
 #include <immintrin.h>
+#include <string.h>
 
 #include "common/ukernels.h"
 
 #define CM_TILE_MR_AVX512 12
 
 #define CM_INLINE static inline __attribute__((always_inline))
+
+/* the 4 bytes at p (one u8 k-quad of an A panel row) in every dword lane */
+CM_INLINE __m512i cm_broadcast_dword__avx512(const uint8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
 /* acc = C (accumulate) or +0 */
 CM_INLINE void cm_tile_load__avx512(const int mr, __m512 *acc0, __m512 *acc1, const float *c,

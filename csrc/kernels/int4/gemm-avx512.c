@@ -23,7 +23,8 @@
 #include <string.h>
 
 #include "common/int4.h"
-#include "common/tile-avx2.h" /* CM_MR_SWITCH4 */
+#include "common/tile-avx2.h"   /* CM_MR_SWITCH4 */
+#include "common/tile-avx512.h" /* cm_broadcast_dword__avx512 */
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
@@ -31,12 +32,6 @@
  * at 4 KiB pages. Qwen3 decode, int8/int4 time ratio in one process: 1.43-1.45x at 2 KiB,
  * 1.55-1.56x at 4 KiB, 1.57x at 8 KiB (noisy shared machine; 1 KiB clearly worse) */
 #define CM_INT4_PREFETCH_BYTES 4096
-
-static inline __attribute__((always_inline)) __m512i broadcast_dword(const uint8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 /* natural 32 columns (c0: 0-15, c1: 16-31) <-> lane order (lo: 0-7|16-23, hi: 8-15|24-31);
  * the same 128-bit lane selection does both directions */
@@ -101,7 +96,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
       const uint8_t *ak = ab + kq * as * 4;
 #pragma GCC unroll 4
       for (int r = 0; r < mr; r++) {
-        const __m512i x = broadcast_dword(ak + 4 * r);
+        const __m512i x = cm_broadcast_dword__avx512(ak + 4 * r);
         acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], x, wlo);
         acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], x, whi);
       }

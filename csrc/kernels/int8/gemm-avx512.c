@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "common/tile-avx512.h" /* the mr switch */
+#include "common/tile-avx512.h" /* the mr switch, cm_broadcast_dword__avx512 */
 #include "common/ukernels.h"
 
 #define MR 12
@@ -27,12 +27,6 @@
  * panels reuse the current chunk from L1, the next one streams in (the L2 streamer stops at
  * 4 KiB pages); measured better than 4 KiB and 16 KiB for Qwen3 prefill */
 #define CM_PREFETCH_KQUADS 64
-
-static inline __attribute__((always_inline)) __m512i broadcast_dword(const uint8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *restrict a, size_t as,
@@ -53,7 +47,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     const uint8_t *ak = a + kq * as * 4;
 #pragma GCC unroll 12
     for (int r = 0; r < mr; r++) {
-      const __m512i x = broadcast_dword(ak + 4 * r);
+      const __m512i x = cm_broadcast_dword__avx512(ak + 4 * r);
       acc0[r] = _mm512_dpbusd_epi32(acc0[r], x, b0);
       acc1[r] = _mm512_dpbusd_epi32(acc1[r], x, b1);
     }
