@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark (cpumoe.bench, ``python -m cpumoe bench`` / ``info``): a tiny
-custom shape with the bf16 and int8 schemes, with and without the in-process baselines
-and with the capped-ISA baseline subprocess; checks the JSON document and the table.
+custom shape with the bf16 and int8 schemes, with and without the in-process baselines,
+with the capped-ISA baseline subprocess and with thread scaling; checks the JSON document,
+the table, the presets and shapes, the int4 pieces and the roofline picture.
 Fast: the limit probes are shortened (the figures are not judged, only their sanity)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import cpumoe
 from cpumoe import bench
@@ -21,6 +23,14 @@ PYTHON_DIR = os.path.join(REPO, "python")
 SHAPE = "custom:8,2,256,128"
 ARGS = ["--shape", SHAPE, "--scheme", "bf16,int8", "--m", "1,4", "--iters", "2",
         "--bw-mib", "64", "--threads", "1"]  # 1 thread: insensitive to other load
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """main() calls torch.set_num_threads: give the next test torch's count back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -41,16 +51,30 @@ def _fraction(v):
     return v is not None and 0 < v < 2
 
 
+def _check_bound(c, read_gbps, fma_gflops, int8_gops):
+    """The row's bound is the larger of bytes / bandwidth and ops / the scheme's peak."""
+    peak = int8_gops if c["peak_kind"] == "u8s8" else fma_gflops
+    t_bw, t_ops = c["weight_bytes"] / read_gbps / 1e6, c["flops"] / peak / 1e6  # ms
+    assert c["bound_ms"] == pytest.approx(max(t_bw, t_ops)), c
+    assert c["bound"] == ("bandwidth" if t_bw >= t_ops else "compute"), c
+    assert c["bound_fraction"] == pytest.approx(c["bound_ms"] / c["ms"]), c
+
+
 def _check_common(doc):
     m = doc["machine"]
     assert m["read_gbps"] > 0 and m["fma_peak_gflops"] > 0 and m["int8_peak_gops"] > 0
     assert m["tier"] == cpumoe.isa()
+    assert [lim["threads"] for lim in m["limits_by_threads"]] == [1]
+    assert m["limits_by_threads"][0]["read_gbps"] == m["read_gbps"]
     assert doc["settings"]["schemes"] == ["bf16", "int8"]
+    assert doc["settings"]["threads"] == [1] and doc["settings"]["quick"] is False
     cases = doc["cases"]
     assert [(c["scheme"], c["M"]) for c in cases] == [("bf16", 1), ("bf16", 4), ("int8", 1),
                                                       ("int8", 4)]
     for c in cases:
         assert c["dtype"] == "bf16" and c["shape"] == "custom-8x2-256x128"
+        assert c["threads"] == 1 and c["tier"] == cpumoe.isa() and c["thread_scaling"] == []
+        _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], m["int8_peak_gops"])
         assert c["ms"] > 0 and 0 < c["ms_min"] <= c["ms"] and c["iters"] == 2
         assert 1 <= c["distinct_experts"] <= min(8, 2 * c["M"])
         assert c["flops"] == 2.0 * c["M"] * 2 * 3 * 128 * 256
@@ -65,7 +89,8 @@ def _check_common(doc):
             assert c[key] is not None and 0 < c[key] < 10, (key, c)
         assert c["bound"] in ("bandwidth", "compute")
         for key in ("others_cpu_fraction", "baseline_others_cpu_fraction",
-                    "int8pack_others_cpu_fraction", "capped_others_cpu_fraction"):
+                    "int8pack_others_cpu_fraction", "int4pack_others_cpu_fraction",
+                    "capped_others_cpu_fraction"):
             assert c[key] is None or 0 <= c[key] <= 1, (key, c)
     return cases
 
@@ -83,9 +108,12 @@ def test_bench_json_with_baselines(tmp_path, fast_limits, capsys):
         else:
             assert c["int8pack_ms"] is None and c["speedup_int8pack"] is None
         assert c["eager_capped_ms"] is None and c["speedup_capped"] is None
+        assert c["int4pack_ms"] is None and c["speedup_int4pack"] is None
     out = capsys.readouterr().out
-    assert "u8*s8 peak" in out and "speedup" in out
-    assert ("vs int8pack" in out) == int8pack
+    assert "u8*s8 peak" in out and "bound ms" in out
+    # the header says what each ratio column compares against
+    assert "vs eager = the eager per-expert PyTorch loop" in out
+    assert ("vs int8pack = a per-expert loop over torch._weight_int8pack_mm" in out) == int8pack
 
 
 def test_bench_json_no_baseline_capped_isa(tmp_path, fast_limits, capsys):
@@ -109,3 +137,160 @@ def test_info_cli_prints_tier():
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("tier in use"))
     assert line.split()[-1] == cpumoe.best_isa(), res.stdout
+
+
+def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
+    path = tmp_path / "scaling.json"
+    args = ["--shape", SHAPE, "--scheme", "bf16", "--m", "4", "--iters", "2", "--bw-mib", "64",
+            "--threads", "1,2", "--no-baseline", "--json", str(path)]
+    assert bench.main(args) == 0
+    doc = json.loads(path.read_text())
+    m = doc["machine"]
+    assert doc["settings"]["threads"] == [2, 1]  # rows at the largest count
+    assert [lim["threads"] for lim in m["limits_by_threads"]] == [2, 1]
+    lim1 = m["limits_by_threads"][1]
+    (c,) = doc["cases"]
+    assert c["threads"] == 2
+    (s,) = c["thread_scaling"]
+    assert s["threads"] == 1 and s["iters"] == 2 and s["ms"] > 0
+    assert s["scaling"] == pytest.approx(s["ms"] / c["ms"])
+    assert s["identical_output"] is True  # DESIGN.md: results do not depend on the thread count
+    t_bw = c["weight_bytes"] / lim1["read_gbps"] / 1e6
+    t_ops = c["flops"] / lim1["fma_peak_gflops"] / 1e6
+    assert s["bound_ms"] == pytest.approx(max(t_bw, t_ops))  # against the 1-thread limits
+    assert s["bound_fraction"] == pytest.approx(s["bound_ms"] / s["ms"])
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("shape"))
+    assert header.split()[-3:] == ["ms", "1->2t", "others"] and "1t" in header.split()
+    assert "at 1 thread:" in out and "bit-identical in every case" in out
+
+
+def test_quick_preset_and_lists():
+    parser = bench.build_parser()
+
+    def parse(argv):
+        return bench.resolve_arguments(parser.parse_args(argv))
+
+    n = torch.get_num_threads()
+    q = parse(["--quick"])
+    assert (q.shape, q.scheme, q.m, q.min_time) == (
+        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4"], [1, 64, 512], 0.5)
+    assert q.threads == ([n, 1] if n > 1 else [n]) and q.quick
+    # explicit options win over the preset
+    q = parse(["--quick", "--m", "2", "--threads", "1", "--scheme", "int8", "--min-time", "3"])
+    assert (q.shape, q.scheme, q.m, q.threads, q.min_time) == (
+        "qwen3-30b-a3b", ["int8"], [2], [1], 3.0)
+    d = parse([])
+    assert (d.shape, d.scheme, d.m, d.threads, d.min_time) == (
+        "qwen3-30b-a3b", ["bf16"], list(bench.DEFAULT_M), [n], 2.0)
+    assert parse(["--dtype", "fp16"]).scheme == ["fp16"]
+    a = parse(["--m", "all", "--scheme", "all,int8", "--threads", "1,2,2"])
+    assert a.m == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert a.scheme == ["bf16", "fp16", "int8", "fp8", "int4"] and a.threads == [2, 1]
+    helptext = " ".join(parser.format_help().split())
+    assert "--quick" in helptext and "--scheme bf16,int8,fp8,int4 --m 1,64,512" in helptext
+    for bad in (["--m", "0"], ["--threads", "x"], ["--scheme", "int3"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_model_shapes_and_partial_fp8_blocks():
+    olmoe, gpt = bench.parse_shapes("olmoe-1b-7b+gpt-oss-20b")
+    assert (olmoe.E, olmoe.topk, olmoe.K, olmoe.N) == (64, 8, 2048, 1024)
+    assert (gpt.E, gpt.topk, gpt.K, gpt.N) == (32, 4, 2880, 2880)
+    assert len(bench.parse_shapes("all")) == 5
+    # 2880 is a multiple of 64, not of 128: int4 groups of 64, fp8 partial scale blocks
+    assert bench.int4_group_size(2880, 2880) == 64 and bench.int4_group_size(2048, 768) == 128
+    # a small shape with the same property: 2N = 192 and K = 160 leave partial 128-blocks
+    shape = bench.Shape("partial", E=4, topk=2, K=160, N=96)
+    w = bench.ExpertWeights(shape, "bf16", scheme="fp8")
+    assert tuple(w.kwargs["w1_scale"].shape) == (4, 2, 2)
+    assert tuple(w.kwargs["w2_scale"].shape) == (4, 2, 1)
+    rec = bench.run_case(shape, 3, weights=w, iters=1, min_iters=1)
+    assert 0 <= rec["rel_diff_vs_baseline"] < 5e-2, rec
+    # bytes: fp8 weights + one fp32 scale per (partial) block, per expert
+    assert rec["weight_bytes"] == pytest.approx(
+        rec["distinct_experts"] * (3 * 96 * 160 + 4 * (2 * 2 + 2 * 1)))
+
+
+def test_awq_packing_matches_the_checkpoint_format():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (2, 16, 24), dtype=torch.uint8, generator=g)
+    packed = bench._awq_pack(q)
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (2, 16, 3)
+    # an AWQ reader takes column j of each group of 8 from bits 4*[0,4,1,5,2,6,3,7][j]
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])
+    unpacked = (packed.unsqueeze(-1) >> shifts) & 0xF
+    assert torch.equal(unpacked.reshape(2, 16, 24).to(torch.uint8), q)
+    z = torch.randint(0, 16, (2, 24, 2), dtype=torch.uint8, generator=g)
+    s = torch.rand(2, 24, 2, generator=g).bfloat16()
+    qw, qz, sc = bench._awq_checkpoint(q.transpose(1, 2).contiguous(), z, s)  # q: [E, OC, IC]
+    assert tuple(qw.shape) == (2, 16, 3) and torch.equal(qw, packed)
+    assert tuple(qz.shape) == (2, 2, 3) and tuple(sc.shape) == (2, 2, 24)
+
+
+def test_int4pack_baseline_matches_eager():
+    reason = bench.int4pack_unavailable("bf16")
+    if reason:
+        pytest.skip(reason)
+    shape = bench.Shape("int4", E=4, topk=2, K=256, N=160)  # N=160: groups of 32
+    w = bench.ExpertWeights(shape, "bf16", scheme="int4")
+    *_, gs = w.torch_data
+    assert gs == 32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, shape.K, generator=g).bfloat16()
+    r = bench.make_routings(1, 5, shape.E, shape.topk, g)[0]
+    ref = bench.baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids)  # dequantized weights
+    out = bench.BASELINES["int4pack"].make_call(w, x)(r)
+    assert bench._rel_diff(out, ref) < 2e-2
+    assert w.w1.float().std().item() == pytest.approx(1 / 16, rel=0.25)  # ~1/sqrt(K)
+
+
+def test_int4_scheme_runs_or_says_why_not(tmp_path, fast_limits, capsys):
+    path = tmp_path / "int4.json"
+    rc = bench.main(["--shape", "custom:4,2,256,128", "--scheme", "int4", "--m", "1,3",
+                     "--iters", "2", "--bw-mib", "64", "--threads", "1", "--json", str(path)])
+    reason = bench.scheme_unavailable("int4", "bf16")
+    out = capsys.readouterr().out
+    if reason:  # cpumoe without INT4 W4A8: listed, skipped with the reason
+        assert rc == 1 and reason.startswith("int4 not built yet")
+        assert f"scheme int4 skipped: {reason}" in out
+        return
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    int4pack = doc["settings"]["int4pack_unavailable"] is None
+    for c in doc["cases"]:
+        assert c["scheme"] == "int4" and c["peak_kind"] == "u8s8"
+        assert 0 <= c["rel_diff_vs_baseline"] < 5e-2, c
+        if int4pack:
+            assert c["int4pack_ms"] > 0 and 0 <= c["rel_diff_vs_int4pack"] < 5e-2, c
+    assert ("vs int4pack" in out) == int4pack
+
+
+def test_plot(tmp_path, fast_limits, capsys):
+    pytest.importorskip("matplotlib")
+    png, path = tmp_path / "roofline.png", tmp_path / "plot.json"
+    assert bench.main(ARGS + ["--no-baseline", "--iters", "1", "--plot", str(png),
+                              "--json", str(path)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"roofline picture: {png}" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    fig = bench.write_plot(doc, str(tmp_path / "again.png"))
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title().split()[0] for ax in panels] == ["bf16", "int8"]
+    for ax, scheme in zip(panels, ("bf16", "int8")):
+        rows = [c for c in doc["cases"] if c["scheme"] == scheme]
+        achieved, bound = ax.get_lines()  # no eager line with --no-baseline
+        assert list(achieved.get_xdata()) == [c["M"] for c in rows]
+        assert list(achieved.get_ydata()) == pytest.approx([c["gflops"] for c in rows])
+        assert list(bound.get_ydata()) == pytest.approx(
+            [c["flops"] / c["bound_ms"] / 1e6 for c in rows])
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+
+
+def test_plot_without_matplotlib(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    with pytest.raises(SystemExit) as e:
+        bench.main(ARGS + ["--plot", "x.png"])
+    assert e.value.code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -1,40 +1,48 @@
 """Model-shape benchmark of ``fused_experts`` with roofline figures (``python -m cpumoe bench``).
 
 For every (shape, weight scheme, M) case it times ``cpumoe.fused_experts`` on weights
-packed once with :func:`cpumoe.convert_weight_packed`, and the PyTorch code a user would
-otherwise run, and reports each against the machine limits of DESIGN.md §5, all measured
-in the same run:
+packed once, and the PyTorch code a user would otherwise run, and reports each against
+the machine limits of DESIGN.md §5, all measured in the same run:
 
 * streaming-read bandwidth: ``_C.probe_read`` over a buffer several times the
   last-level cache (:func:`measure_read_bandwidth`), measured at the start and again
   at the end of the run;
 * fp32 FMA peak of the active tier: ``_C.probe_fma``, a register-only loop on each of
-  torch's threads (:func:`measure_fma_peak`); the ceiling of the bf16/fp16 schemes;
+  torch's threads (:func:`measure_fma_peak`); the ceiling of the bf16/fp16/fp8 schemes;
 * u8*s8 peak of the active tier: ``_C.probe_int8``, the same kind of loop of u8*s8 dot
   products (VNNI where the tier has it) (:func:`measure_int8_peak`); the ceiling of the
-  int8 scheme (INT8 W8A8, ``moe_comp_method=1``), measured only when it is benchmarked.
+  int8 and int4 schemes, measured only when one of them is benchmarked.
 
-Weight schemes (``--scheme``): ``bf16`` / ``fp16`` (weights and activations in that
-dtype) and ``int8`` (weights from :func:`cpumoe.quant.quantize_int8_per_channel` of the
-random float weights, activations in ``--dtype``).
+Each row's bound is the larger of bytes / bandwidth and operations / peak (the roofline);
+``%bound`` is that bound over the measured time. With ``--threads 1,2`` every case is
+also timed at the other thread counts (limits measured at each count too).
 
-Baselines: the eager per-expert loop in the activation dtype (:func:`baseline_moe`; for
-int8 over the dequantized weights); for int8 also a per-expert loop over
-``torch._weight_int8pack_mm`` (:func:`baseline_int8pack_moe`) where torch has it; and,
-with ``--baseline-isa NAME``, the eager loop again in a subprocess started with
-``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g. ``avx512_core_vnni`` to see
-what the eager code does on a CPU without AVX512-BF16 and AMX.
+Weight schemes (``--scheme``) are the rows of :data:`SCHEMES`: ``bf16`` / ``fp16`` (weights
+and activations in that dtype), ``int8`` (INT8 W8A8), ``fp8`` (FP8 W8A16, 128x128 block
+scales) and ``int4`` (INT4 W4A8, AWQ group-quantized; skipped with the reason when this
+build of cpumoe rejects ``moe_comp_method=3``). Each has a weight generator that turns
+random float weights into the scheme's tensors and the dequantized float weights the
+eager baseline reads.
+
+Baselines (:data:`BASELINES`): the eager per-expert loop in the activation dtype
+(:func:`baseline_moe`; for quantized schemes over the dequantized weights); for int8 a
+per-expert loop over ``torch._weight_int8pack_mm`` (:func:`baseline_int8pack_moe`) and for
+int4 one over ``torch._weight_int4pack_mm_for_cpu`` (:func:`baseline_int4pack_moe`) where
+torch has them; and, with ``--baseline-isa NAME``, the eager loop again in a subprocess
+started with ``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g.
+``avx512_core_vnni`` to see what the eager code does on a CPU without AVX512-BF16 and AMX.
 
 Routing is decode-realistic: every timed call gets a fresh, pre-generated routing
 (random distinct experts per token, softmax-normalised fp32 weights, int32 ids), so
 expert weights come from DRAM rather than from cache. cpumoe and the baselines see the
 same routings (the subprocess regenerates them from the seed). ``benchmarks/README.md``
-describes the method and the output fields.
+describes the method and the output fields; ``--plot FILE.png`` draws the roofline
+picture (:func:`write_plot`, needs matplotlib).
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
 :func:`measure_fma_peak`, :func:`measure_int8_peak`, :func:`run_case`,
-:func:`baseline_moe`, :func:`baseline_int8pack_moe`, :func:`run_capped_baseline`,
-:func:`machine_info`. Smoke run (seconds):
+:func:`baseline_moe`, :func:`baseline_int8pack_moe`, :func:`baseline_int4pack_moe`,
+:func:`run_capped_baseline`, :func:`machine_info`, :func:`write_plot`. Smoke run (seconds):
 ``main(["--shape", "custom:8,2,256,128", "--scheme", "bf16,int8", "--m", "1,4", "--iters", "2"])``.
 """
 
@@ -86,13 +94,19 @@ SHAPES: Dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", E=128, topk=8, K=2048, N=768),
     "mixtral-8x7b": Shape("mixtral-8x7b", E=8, topk=2, K=4096, N=14336),
     "deepseek-v2-lite": Shape("deepseek-v2-lite", E=64, topk=6, K=2048, N=1408),
+    "olmoe-1b-7b": Shape("olmoe-1b-7b", E=64, topk=8, K=2048, N=1024),
+    # gpt-oss-20b's sizes with cpumoe's SiLU*mul (the model itself uses a clamped SwiGLU with
+    # biases); K = N = 2880 is not a multiple of 128: fp8 has partial 128x128 scale blocks
+    # and int4 uses groups of 64
+    "gpt-oss-20b": Shape("gpt-oss-20b", E=32, topk=4, K=2880, N=2880),
 }
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_M = (1, 4, 16, 64, 256, 512)
+ALL_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # --m all
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SCHEMES = ("bf16", "fp16", "int8", "fp8")  # float weights in a dtype, INT8 W8A8, FP8 W8A16
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 style weight_block_size of the fp8 scheme
+INT4_GROUPS = (128, 64, 32)  # int4 group size: the first that divides both K and N
 
 
 def _dtype_name(dtype) -> str:
@@ -104,9 +118,9 @@ def _dtype_name(dtype) -> str:
 
 
 def parse_shapes(spec: str) -> List[Shape]:
-    """``qwen3-30b-a3b`` | ``mixtral-8x7b`` | ``deepseek-v2-lite`` | ``all`` |
-    ``custom:E,topk,K,N``; several may be given separated by ``+``
-    (e.g. ``mixtral-8x7b+custom:8,2,256,128``)."""
+    """A name of :data:`SHAPES` (``qwen3-30b-a3b``, ``mixtral-8x7b``, ``deepseek-v2-lite``,
+    ``olmoe-1b-7b``, ``gpt-oss-20b``) | ``all`` | ``custom:E,topk,K,N``; several may be
+    given separated by ``+`` (e.g. ``mixtral-8x7b+custom:8,2,256,128``)."""
     shapes: List[Shape] = []
     for part in spec.split("+"):
         part = part.strip().lower()
@@ -151,31 +165,46 @@ def _as_shape(shape) -> Shape:
 
 
 def parse_schemes(text: str) -> List[str]:
-    """Comma list of weight schemes (``bf16``, ``fp16``, ``int8``), duplicates dropped."""
+    """Comma list of weight schemes (names of :data:`SCHEMES`, or ``all``), duplicates
+    dropped."""
     out: List[str] = []
     for part in text.split(","):
         part = part.strip().lower()
         if not part:
             continue
-        if part not in SCHEMES:
+        names = list(SCHEMES) if part == "all" else [part]
+        if part != "all" and part not in SCHEMES:
             raise argparse.ArgumentTypeError(
-                f"unknown scheme '{part}': expected a comma list of {', '.join(SCHEMES)}")
-        if part not in out:
-            out.append(part)
+                f"unknown scheme '{part}': expected a comma list of {', '.join(SCHEMES)} "
+                "or all")
+        out.extend(n for n in names if n not in out)
     if not out:
         raise argparse.ArgumentTypeError("--scheme expects at least one scheme")
     return out
 
 
-def _parse_m(text: str) -> List[int]:
+def _parse_int_list(text: str, flag: str) -> List[int]:
     try:
-        ms = [int(v) for v in text.split(",") if v.strip()]
+        vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--m expects a comma list of integers, got '{text}'") from None
-    if not ms or any(m <= 0 for m in ms):
-        raise argparse.ArgumentTypeError(f"--m expects positive integers, got '{text}'")
-    return ms
+            f"{flag} expects a comma list of integers, got '{text}'") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{flag} expects positive integers, got '{text}'")
+    return vals
+
+
+def _parse_m(text: str) -> List[int]:
+    """``--m``: a comma list of token counts, or ``all`` (:data:`ALL_M`)."""
+    if text.strip().lower() == "all":
+        return list(ALL_M)
+    return _parse_int_list(text, "--m")
+
+
+def _parse_threads(text: str) -> List[int]:
+    """``--threads``: one count, or several (duplicates dropped, largest first: the rows are
+    measured at the largest, the others give the scaling columns)."""
+    return sorted(set(_parse_int_list(text, "--threads")), reverse=True)
 
 
 # ---- machine information -----------------------------------------------------------------
@@ -428,24 +457,259 @@ def _stat(samples: Sequence[float], stat: str) -> float:
     raise ValueError(f"stat must be 'best' or 'median', got '{stat}'")
 
 
-# ---- weights, routing, baseline ------------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    """The machine limits one set of rows is judged against (any may be None: unknown)."""
+
+    read_gbps: Optional[float] = None  # streaming read, 1e9 bytes/s
+    fma_gflops: Optional[float] = None  # fp32 FMA peak, 1e9 flop/s
+    int8_gops: Optional[float] = None  # u8*s8 peak, 1e9 op/s
+
+    def peak(self, kind: str) -> Optional[float]:
+        """The compute ceiling of a scheme's ``peak_kind`` (``"fp32_fma"`` or ``"u8s8"``)."""
+        return self.int8_gops if kind == "u8s8" else self.fma_gflops
+
+    def bound(self, weight_bytes: float, ops: float, kind: str):
+        """``("bandwidth" | "compute", seconds)``: the larger of bytes / bandwidth and ops /
+        peak, the least time the call can take (the roofline); None if a limit is unknown."""
+        peak = self.peak(kind)
+        if not self.read_gbps or not peak:
+            return None
+        t_bw = weight_bytes / (self.read_gbps * 1e9)
+        t_ops = ops / (peak * 1e9)
+        return ("bandwidth", t_bw) if t_bw >= t_ops else ("compute", t_ops)
+
+
+def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None) -> dict:
+    """All limit samples on torch's current threads: ``{"threads", "read", "fma", "int8"}``
+    (``int8`` None unless ``need_int8``) and ``limits``, a :class:`Limits` of the best runs."""
+    bw = _read_bandwidth_samples(buffer_bytes)
+    fma = _fma_peak_samples()
+    i8 = _int8_peak_samples() if need_int8 else None
+    return {"threads": torch.get_num_threads(), "read": bw, "fma": fma, "int8": i8,
+            "limits": Limits(max(bw["samples_gbps"]), max(fma["samples_gflops"]),
+                             max(i8["samples_gops"]) if i8 else None)}
+
+
+# ---- weight schemes ------------------------------------------------------------------------
+
+
+@dataclass
+class SchemeWeights:
+    """What a scheme's weight generator returns: the packed ``w1``/``w2`` cpumoe reads (None
+    when not packing), the other keyword arguments of :func:`cpumoe.fused_experts`
+    (``moe_comp_method``, scales, zeros, block size) and what the scheme's torch baseline
+    reads (``torch_data``)."""
+
+    w1p: Optional[torch.Tensor]
+    w2p: Optional[torch.Tensor]
+    kwargs: dict
+    torch_data: Optional[tuple] = None
+
+
+# A weight generator: (w1 [E, 2N, K], w2 [E, K, N] random float weights in the activation
+# dtype (uninitialised if the scheme's random_floats is False), generator, pack) ->
+# SchemeWeights. A quantized scheme overwrites w1/w2 with its dequantized weights (what the
+# eager baseline then reads).
+WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], SchemeWeights]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One weight scheme of the benchmark: a row of :data:`SCHEMES`."""
+
+    name: str
+    method: MoeCompMethod
+    text: str  # what it is, for --help and the table header
+    peak_kind: str  # "fp32_fma" or "u8s8": the compute ceiling of its rows
+    make_weights: WeightGenerator
+    torch_baseline: Optional[str] = None  # key of BASELINES: torch's own path for these weights
+    unavailable: Optional[Callable[[torch.dtype], Optional[str]]] = None  # why cpumoe can't run it
+    random_floats: bool = True  # make_weights starts from random float weights
+
+    @property
+    def float_weights(self) -> bool:
+        """bf16/fp16: the weights are in the activation dtype, which the scheme fixes."""
+        return self.name in DTYPES
+
+
+def _float_weights(w1, w2, g, pack) -> SchemeWeights:
+    return SchemeWeights(convert_weight_packed(w1) if pack else None,
+                         convert_weight_packed(w2) if pack else None, {})
+
+
+def _int8_weights(w1, w2, g, pack) -> SchemeWeights:
+    """Per-channel int8 of the random weights (:func:`cpumoe.quant.quantize_int8_per_channel`);
+    torch_data = (q1, s1, q2, s2) for the int8pack baseline."""
+    q1, s1 = _quantize_experts(w1)
+    q2, s2 = _quantize_experts(w2)
+    return SchemeWeights(convert_weight_packed(q1) if pack else None,
+                         convert_weight_packed(q2) if pack else None,
+                         {"moe_comp_method": MoeCompMethod.INT8_W8A8, "w1_scale": s1,
+                          "w2_scale": s2}, (q1, s1, q2, s2))
+
+
+def _fp8_weights(w1, w2, g, pack) -> SchemeWeights:
+    """e4m3 weights with 128x128 block scales (:func:`cpumoe.quant.quantize_fp8_blockwise`;
+    partial blocks where K or N is not a multiple of 128)."""
+    q1, s1 = _quantize_experts(w1, fp8=True)
+    q2, s2 = _quantize_experts(w2, fp8=True)
+    return SchemeWeights(convert_weight_packed(q1) if pack else None,
+                         convert_weight_packed(q2) if pack else None,
+                         {"moe_comp_method": MoeCompMethod.FP8_W8A16, "w1_scale": s1,
+                          "w2_scale": s2, "block_size": list(FP8_BLOCK)})
+
+
+def int4_group_size(K: int, N: int) -> int:
+    """The int4 group size of a shape: the first of :data:`INT4_GROUPS` dividing K and N
+    (w1's input is K, w2's is N, and both share one group size)."""
+    for gs in INT4_GROUPS:
+        if K % gs == 0 and N % gs == 0:
+            return gs
+    raise ValueError(f"no int4 group size in {INT4_GROUPS} divides K={K} and N={N}")
+
+
+def _int4_weights(w1, w2, g, pack) -> SchemeWeights:
+    """Random AWQ-style int4 weights: nibbles ``q``, per-group zero points ``z`` and scales
+    ``s`` (groups of :func:`int4_group_size` along the input dimension), of about the
+    random weights' spread; w1/w2 become ``(q - z) * s``. With ``pack``, cpumoe gets them
+    as an AWQ checkpoint through ``convert_weight_packed_scale_zp`` (if this build has it)
+    and torch_data holds torch's int4pack tensors (if this torch has them)."""
+    gs = int4_group_size(w1.shape[2], w2.shape[2])
+    q1, z1, s1 = _int4_experts(w1, gs, g)
+    q2, z2, s2 = _int4_experts(w2, gs, g)
+    w1p = w2p = None
+    kwargs: dict = {"moe_comp_method": MoeCompMethod.INT4_W4A8}
+    if pack and hasattr(torch.ops.cpumoe, "convert_weight_packed_scale_zp"):
+        w1p, zp1, sp1 = torch.ops.cpumoe.convert_weight_packed_scale_zp(
+            *_awq_checkpoint(q1, z1, s1), 0)
+        w2p, zp2, sp2 = torch.ops.cpumoe.convert_weight_packed_scale_zp(
+            *_awq_checkpoint(q2, z2, s2), 0)
+        kwargs.update(w1_scale=sp1, w2_scale=sp2, w1_zero=zp1, w2_zero=zp2)
+    torch_data = None
+    if pack and int4pack_unavailable(w1.dtype) is None:
+        torch_data = (*_int4pack_tensors(q1, z1, s1), *_int4pack_tensors(q2, z2, s2), gs)
+    return SchemeWeights(w1p, w2p, kwargs, torch_data)
+
+
+def _int4_experts(w: torch.Tensor, gs: int, g: torch.Generator):
+    """``(q uint8 [E, OC, IC] in 0..15, z uint8 [E, OC, G] in 5..11, s [E, OC, G] in w's
+    dtype)``, with ``std((q - z) * s)`` near ``1/sqrt(IC)`` (the spread of the random float
+    weights); ``w`` is overwritten with ``(q - z) * s``. One expert at a time (small
+    fp32 temporaries)."""
+    E, OC, IC = w.shape
+    G = IC // gs
+    q = torch.empty(E, OC, IC, dtype=torch.uint8)
+    _fill_from_pool(q, torch.randint(0, 16, (min(1 << 24, q.numel()),), dtype=torch.uint8,
+                                     generator=g), g)
+    z = torch.randint(5, 12, (E, OC, G), dtype=torch.uint8, generator=g)
+    # std(q - z) ~ 5 for uniform q and z in these ranges
+    s = ((torch.rand(E, OC, G, generator=g) + 0.5) / (5 * math.sqrt(IC))).to(w.dtype)
+    for e in range(E):
+        deq = (q[e].view(OC, G, gs).float() - z[e].unsqueeze(-1).float()) * s[e].unsqueeze(-1).float()
+        w[e].copy_(deq.view(OC, IC))
+    return q, z, s
+
+
+# nibble i (bits 4i..4i+3) of an AWQ int32 holds column _AWQ_ORDER[i] of its group of 8
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _awq_pack(v: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles ``[R, C]`` (C % 8 == 0) -> AWQ int32 ``[R, C / 8]``."""
+    v = v.to(torch.int64)
+    out = torch.zeros(*v.shape[:-1], v.shape[-1] // 8, dtype=torch.int64)
+    for i, col in enumerate(_AWQ_ORDER):
+        out |= v[..., col::8] << (4 * i)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def _awq_checkpoint(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
+    """What an AWQ checkpoint holds for ``q [E, OC, IC]``, ``z``/``s [E, OC, G]``:
+    ``qweight`` int32 ``[E, IC, OC/8]``, ``qzeros`` int32 ``[E, G, OC/8]``, ``scales``
+    ``[E, G, OC]`` (REFERENCE.md §7.4, method 0)."""
+    qweight = torch.stack([_awq_pack(q[e].t()) for e in range(q.shape[0])])
+    qzeros = torch.stack([_awq_pack(z[e].t()) for e in range(z.shape[0])])
+    return qweight, qzeros, s.transpose(1, 2).contiguous()
+
+
+def _int4pack_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
+    """torch's int4pack form of ``(q - z) * s``: per expert
+    ``torch._convert_weight_to_int4pack_for_cpu(q int32 [OC, IC], 2)`` -> uint8
+    ``[E, OC, IC/2]``, and scales-and-zeros ``[E, G, OC, 2]`` in ``s``'s dtype, where torch
+    dequantizes ``(q - 8) * scale + zero``, so ``zero = (8 - z) * s``."""
+    packed = torch.stack([torch._convert_weight_to_int4pack_for_cpu(q[e].to(torch.int32), 2)
+                          for e in range(q.shape[0])])
+    sf = s.float()
+    sz = torch.stack([sf, (8 - z.float()) * sf], dim=-1).transpose(1, 2).contiguous()
+    return packed, sz.to(s.dtype)
+
+
+def _int4_unavailable(dtype: torch.dtype) -> Optional[str]:
+    """None when cpumoe runs INT4 W4A8 here, checked once per activation dtype on a tiny
+    layer against the eager loop over the dequantized weights; else why not."""
+    if dtype in _INT4_REASON:
+        return _INT4_REASON[dtype]
+    if not hasattr(torch.ops.cpumoe, "convert_weight_packed_scale_zp"):
+        reason = ("int4 not built yet: this cpumoe has no "
+                  "torch.ops.cpumoe.convert_weight_packed_scale_zp")
+    else:
+        try:
+            shape = Shape("int4-check", E=4, topk=2, K=256, N=128)
+            w = ExpertWeights(shape, dtype, seed=1, scheme="int4")
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(3, shape.K, generator=g).to(w.dtype)
+            r = make_routings(1, 3, shape.E, shape.topk, g)[0]
+            out = fused_experts(x, w.w1p, w.w2p, r.topk_weights, r.topk_ids, is_vnni=True,
+                                **w.kwargs)
+            diff = _rel_diff(out, baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids))
+            reason = None if diff < 5e-2 else (
+                f"int4: cpumoe differs from the eager loop over the dequantized weights by "
+                f"{diff:.1e} (relative L2) on a test layer; check bench._awq_checkpoint")
+        except Exception as e:  # the op rejects moe_comp_method=3 (or the packer fails)
+            reason = f"int4 not built yet: {type(e).__name__}: {str(e).splitlines()[0]}"
+    _INT4_REASON[dtype] = reason
+    return reason
+
+
+_INT4_REASON: Dict[torch.dtype, Optional[str]] = {}
+
+SCHEMES: Dict[str, Scheme] = {s.name: s for s in (
+    Scheme("bf16", MoeCompMethod.UNQUANT, "bf16 weights and activations", "fp32_fma",
+           _float_weights),
+    Scheme("fp16", MoeCompMethod.UNQUANT, "fp16 weights and activations", "fp32_fma",
+           _float_weights),
+    Scheme("int8", MoeCompMethod.INT8_W8A8, "INT8 W8A8 (moe_comp_method=1): per-channel int8 "
+           "weights, activations quantized per token", "u8s8", _int8_weights, "int8pack"),
+    Scheme("fp8", MoeCompMethod.FP8_W8A16, "FP8 W8A16 (moe_comp_method=2): e4m3 weights, "
+           "128x128 block scales", "fp32_fma", _fp8_weights),
+    Scheme("int4", MoeCompMethod.INT4_W4A8, "INT4 W4A8 (moe_comp_method=3): AWQ int4 weights, "
+           "groups of 128 (64 or 32 where K or N needs it), activations quantized per token",
+           "u8s8", _int4_weights, "int4pack", _int4_unavailable, random_floats=False),
+)}
+
+
+def scheme_unavailable(name: str, dtype) -> Optional[str]:
+    """None when cpumoe can run scheme ``name`` here with activations of ``dtype``."""
+    check = SCHEMES[name].unavailable
+    return check(DTYPES[_dtype_name(dtype)]) if check else None
+
+
+# ---- weights, routing, baselines -----------------------------------------------------------
 
 
 class ExpertWeights:
-    """Random expert weights of one shape and weight scheme: unpacked ``w1 [E, 2N, K]``,
-    ``w2 [E, K, N]`` in the activation dtype (for the eager baseline) and the packed
-    copies ``w1p``, ``w2p`` cpumoe reads.
+    """Random expert weights of one shape and weight scheme: ``w1 [E, 2N, K]``,
+    ``w2 [E, K, N]`` in the activation dtype (for the eager baseline; the dequantized
+    weights for a quantized scheme), the packed ``w1p``, ``w2p`` and the other keyword
+    arguments (``kwargs``) cpumoe reads, and what the scheme's torch baseline reads
+    (``torch_data``).
 
     Values are normal with std 1/sqrt(K) (w1) and 1/sqrt(N) (w2), so activations stay
     O(1) and fp16 does not overflow. For speed they are copied from a 16 Mi-value random
-    pool at random offsets; values do not affect timing.
-
-    ``scheme`` is ``"bf16"`` / ``"fp16"`` (weights in that dtype, which is then also the
-    activation dtype; the default is ``dtype``'s) or ``"int8"``: the float weights in
-    ``dtype`` are quantized per expert with :func:`cpumoe.quant.quantize_int8_per_channel`
-    into ``q1``, ``q2`` (int8, unpacked) and ``s1 [E, 2N, 1]``, ``s2 [E, K, 1]`` (fp32);
-    ``w1``/``w2`` then hold the dequantized weights ``q * s`` in ``dtype`` and ``w1p``/
-    ``w2p`` the packed int8 weights (``[E, OC, IC + 4]``).
+    pool at random offsets; values do not affect timing. ``scheme`` is a name of
+    :data:`SCHEMES` (default: ``dtype``'s); ``bf16``/``fp16`` fix the activation dtype,
+    the quantized schemes use ``dtype``'s. The scheme's weight generator makes the rest.
     """
 
     def __init__(self, shape: Shape, dtype: str = "bf16", seed: int = 0, pack: bool = True,
@@ -453,52 +717,29 @@ class ExpertWeights:
         self.shape = shape
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.scheme = scheme or _dtype_name(self.dtype)
-        if self.scheme in DTYPES:
-            self.dtype = DTYPES[self.scheme]
-        elif self.scheme not in ("int8", "fp8"):
+        if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
+        if SCHEMES[self.scheme].float_weights:
+            self.dtype = DTYPES[self.scheme]
         g = torch.Generator().manual_seed(seed)
         E, K, N = shape.E, shape.K, shape.N
         self.w1 = torch.empty(E, 2 * N, K, dtype=self.dtype)
         self.w2 = torch.empty(E, K, N, dtype=self.dtype)
-        _fill_random(self.w1, 1.0 / math.sqrt(K), g)
-        _fill_random(self.w2, 1.0 / math.sqrt(N), g)
-        self.q1 = self.q2 = self.s1 = self.s2 = None
-        if self.scheme == "int8":
-            self.q1, self.s1 = _quantize_experts(self.w1)
-            self.q2, self.s2 = _quantize_experts(self.w2)
-            packed = (self.q1, self.q2)
-        elif self.scheme == "fp8":
-            self.q1, self.s1 = _quantize_experts(self.w1, fp8=True)
-            self.q2, self.s2 = _quantize_experts(self.w2, fp8=True)
-            packed = (self.q1, self.q2)
-        else:
-            packed = (self.w1, self.w2)
-        self.w1p = convert_weight_packed(packed[0]) if pack else None
-        self.w2p = convert_weight_packed(packed[1]) if pack else None
-
-    @property
-    def is_int8(self) -> bool:
-        return self.scheme == "int8"
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.scheme == "fp8"
-
-    @property
-    def bytes_per_weight(self) -> int:
-        return 1 if self.is_int8 or self.is_fp8 else self.w1.element_size()
+        if SCHEMES[self.scheme].random_floats:
+            _fill_random(self.w1, 1.0 / math.sqrt(K), g)
+            _fill_random(self.w2, 1.0 / math.sqrt(N), g)
+        made = SCHEMES[self.scheme].make_weights(self.w1, self.w2, g, pack)
+        self.w1p, self.w2p = made.w1p, made.w2p
+        self.kwargs = made.kwargs
+        self.torch_data = made.torch_data
 
     def expert_bytes(self) -> int:
-        """Bytes cpumoe reads per expert touched: 3·N·K weights, plus for int8 an fp32
-        scale per output channel and the packed layout's 4-byte compensation per row
-        (2N + K rows of w1 and w2)."""
-        n = self.shape.expert_bytes(self.bytes_per_weight)
-        if self.is_int8:
-            n += (4 + 4) * (2 * self.shape.N + self.shape.K)
-        if self.is_fp8:  # one fp32 scale per 128 x 128 block
-            n += 4 * (self.s1[0].numel() + self.s2[0].numel())
-        return n
+        """Bytes cpumoe reads per expert touched: the packed weights and every per-expert
+        tensor passed with them (scales, zero points), over E; e.g. int8 adds an fp32 scale
+        and the packed layout's 4-byte compensation per output row (2N + K rows)."""
+        tensors = [self.w1p, self.w2p] + [v for v in self.kwargs.values()
+                                          if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors) // self.shape.E
 
 
 def _quantize_experts(w: torch.Tensor, fp8: bool = False):
@@ -524,9 +765,14 @@ def _quantize_experts(w: torch.Tensor, fp8: bool = False):
 
 
 def _fill_random(t: torch.Tensor, std: float, g: torch.Generator, pool_elems: int = 1 << 24) -> None:
+    pool = torch.empty(min(pool_elems, t.numel()), dtype=t.dtype).normal_(0.0, std, generator=g)
+    _fill_from_pool(t, pool, g)
+
+
+def _fill_from_pool(t: torch.Tensor, pool: torch.Tensor, g: torch.Generator) -> None:
+    """Fills ``t`` with runs of ``pool`` (1-D, ``t``'s dtype) copied from random offsets."""
     flat = t.view(-1)
     n = flat.numel()
-    pool = torch.empty(min(pool_elems, n), dtype=t.dtype).normal_(0.0, std, generator=g)
     P = pool.numel()
     pos = 0
     while pos < n:
@@ -590,29 +836,107 @@ def baseline_int8pack_moe(x: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor,
                             lambda e, a: torch._weight_int8pack_mm(a, q2[e], s2[e]))
 
 
-_INT8PACK_REASON: Dict[torch.dtype, Optional[str]] = {}
+def baseline_int4pack_moe(x: torch.Tensor, p1: torch.Tensor, sz1: torch.Tensor,
+                          p2: torch.Tensor, sz2: torch.Tensor, group_size: int,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same per-expert loop as :func:`baseline_moe` with both GEMMs done by
+    ``torch._weight_int4pack_mm_for_cpu(A [T, K], B, group_size, scales_and_zeros)``
+    (torch's weight-only int4 matmul; activations stay in ``x``'s dtype): ``p1 [E, 2N, K/2]``
+    and ``p2 [E, K, N/2]`` from ``torch._convert_weight_to_int4pack_for_cpu``,
+    ``sz1 [E, K/gs, 2N, 2]``, ``sz2 [E, N/gs, K, 2]`` (scale, zero) in ``x``'s dtype."""
+    mm = torch._weight_int4pack_mm_for_cpu
+    return _per_expert_loop(x, 2 * p2.shape[2], topk_weights, topk_ids,
+                            lambda e, a: mm(a, p1[e], group_size, sz1[e]),
+                            lambda e, a: mm(a, p2[e], group_size, sz2[e]))
+
+
+_TORCH_OP_REASON: Dict[tuple, Optional[str]] = {}
+
+
+def _torch_op_unavailable(names: Sequence[str], dtype, check: Callable[[torch.dtype], bool]
+                          ) -> Optional[str]:
+    """None when torch has every function in ``names`` and ``check(dtype)`` (a tiny product
+    with a known result) passes; else why not. Checked once per (names, dtype)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    key = (tuple(names), dtype)
+    if key not in _TORCH_OP_REASON:
+        missing = [n for n in names if getattr(torch, n, None) is None]
+        reason = None
+        if missing:
+            reason = f"torch {torch.__version__} has no torch.{missing[0]}"
+        else:
+            try:
+                if not check(dtype):
+                    reason = f"torch.{names[-1]} gave a wrong result on a test product"
+            except Exception as e:  # any failure means "not usable here"
+                reason = f"torch.{names[-1]}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        _TORCH_OP_REASON[key] = reason
+    return _TORCH_OP_REASON[key]
 
 
 def int8pack_unavailable(dtype) -> Optional[str]:
-    """None when ``torch._weight_int8pack_mm`` works here for activations of ``dtype``
-    (checked once on a tiny product), else why not."""
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if dtype not in _INT8PACK_REASON:
-        reason = None
-        try:
-            fn = getattr(torch, "_weight_int8pack_mm", None)
-            if fn is None:
-                reason = f"torch {torch.__version__} has no torch._weight_int8pack_mm"
-            else:
-                a = torch.ones(2, 64, dtype=dtype)
-                b = torch.full((32, 64), 2, dtype=torch.int8)
-                y = fn(a, b, torch.full((32,), 0.5, dtype=dtype))
-                if tuple(y.shape) != (2, 32) or not bool((y.float() == 64).all()):
-                    reason = "torch._weight_int8pack_mm gave a wrong result on a test product"
-        except Exception as e:  # any failure means "not usable here"
-            reason = f"torch._weight_int8pack_mm: {type(e).__name__}: {str(e).splitlines()[0]}"
-        _INT8PACK_REASON[dtype] = reason
-    return _INT8PACK_REASON[dtype]
+    """None when ``torch._weight_int8pack_mm`` works here for activations of ``dtype``."""
+    def check(dt: torch.dtype) -> bool:
+        y = torch._weight_int8pack_mm(torch.ones(2, 64, dtype=dt),
+                                      torch.full((32, 64), 2, dtype=torch.int8),
+                                      torch.full((32,), 0.5, dtype=dt))
+        return tuple(y.shape) == (2, 32) and bool((y.float() == 64).all())
+
+    return _torch_op_unavailable(["_weight_int8pack_mm"], dtype, check)
+
+
+def int4pack_unavailable(dtype) -> Optional[str]:
+    """None when ``torch._weight_int4pack_mm_for_cpu`` (with
+    ``torch._convert_weight_to_int4pack_for_cpu``) works here for activations of ``dtype``."""
+    def check(dt: torch.dtype) -> bool:
+        packed = torch._convert_weight_to_int4pack_for_cpu(
+            torch.full((32, 64), 9, dtype=torch.int32), 2)
+        sz = torch.tensor([0.5, 0.25], dtype=dt).expand(2, 32, 2).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(torch.ones(2, 64, dtype=dt), packed, 32, sz)
+        # each weight is (9 - 8) * 0.5 + 0.25
+        return tuple(y.shape) == (2, 32) and bool((y.float() == 48).all())
+
+    return _torch_op_unavailable(["_convert_weight_to_int4pack_for_cpu",
+                                  "_weight_int4pack_mm_for_cpu"], dtype, check)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A PyTorch implementation a user would run instead: a row of :data:`BASELINES`."""
+
+    key: str  # JSON prefix: {key}_ms, {key}_iters, rel_diff_vs_{key}, ...
+    column: str  # table columns "{column} ms" and "vs {column}"
+    text: str  # what it is, for the table header
+    unavailable: Callable[[torch.dtype], Optional[str]]
+    # (weights, x) -> the call on one routing
+    make_call: Callable[[ExpertWeights, torch.Tensor], Callable[[Routing], torch.Tensor]]
+
+
+def _eager_call(w: ExpertWeights, x: torch.Tensor):
+    return lambda r: baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids)
+
+
+def _int8pack_call(w: ExpertWeights, x: torch.Tensor):
+    q1, s1, q2, s2 = w.torch_data
+    s1 = s1.squeeze(-1).to(x.dtype)  # _weight_int8pack_mm wants [OC] in A's dtype
+    s2 = s2.squeeze(-1).to(x.dtype)
+    return lambda r: baseline_int8pack_moe(x, q1, s1, q2, s2, r.topk_weights, r.topk_ids)
+
+
+def _int4pack_call(w: ExpertWeights, x: torch.Tensor):
+    p1, sz1, p2, sz2, gs = w.torch_data
+    return lambda r: baseline_int4pack_moe(x, p1, sz1, p2, sz2, gs, r.topk_weights, r.topk_ids)
+
+
+BASELINES: Dict[str, Baseline] = {b.key: b for b in (
+    Baseline("baseline", "eager", "the eager per-expert PyTorch loop in the activation dtype "
+             "(quantized schemes: over the dequantized weights)", lambda dt: None, _eager_call),
+    Baseline("int8pack", "int8pack", "a per-expert loop over torch._weight_int8pack_mm (int8 "
+             "weights, 16-bit activations), int8 rows", int8pack_unavailable, _int8pack_call),
+    Baseline("int4pack", "int4pack", "a per-expert loop over torch._weight_int4pack_mm_for_cpu "
+             "(the same int4 weights and groups, 16-bit activations), int4 rows",
+             int4pack_unavailable, _int4pack_call),
+)}
 
 
 # ---- one case ----------------------------------------------------------------------------------
@@ -691,6 +1015,11 @@ def _rel_diff(out: torch.Tensor, ref: Optional[torch.Tensor]) -> Optional[float]
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _speedup_key(key: str) -> str:
+    """JSON key of a baseline's ratio: ``speedup`` (eager), ``speedup_int8pack``, ..."""
+    return "speedup" if key == "baseline" else f"speedup_{key}"
+
+
 def run_case(
     shape,
     M: int,
@@ -703,29 +1032,34 @@ def run_case(
     min_iters: int = 3,
     max_iters: int = 200,
     baseline: bool = True,
-    int8pack: bool = True,
+    torch_baseline: bool = True,
     capped: Optional[dict] = None,
+    limits: Optional[Limits] = None,
     read_gbps: Optional[float] = None,
     fma_peak_gflops: Optional[float] = None,
     int8_peak_gops: Optional[float] = None,
+    scaling_threads: Sequence[int] = (),
+    scaling_limits: Optional[Dict[int, Limits]] = None,
     seed: int = 0,
     progress: Optional[Callable[[float, str], None]] = None,
 ) -> dict:
     """Times one (shape, scheme, M) case and returns its JSON record.
 
     ``shape`` is a :class:`Shape`, a name accepted by :func:`parse_shapes` or a tuple
-    ``(E, topk, K, N)``. ``scheme`` is ``"bf16"``/``"fp16"`` (weights and activations in
-    that dtype; overrides ``dtype``) or ``"int8"`` (INT8 W8A8, ``moe_comp_method=1``,
-    activations in ``dtype``); default: ``weights.scheme``, else ``dtype``. ``weights``
+    ``(E, topk, K, N)``. ``scheme`` is a name of :data:`SCHEMES`: ``"bf16"``/``"fp16"``
+    (weights and activations in that dtype; overrides ``dtype``) or a quantized scheme
+    (activations in ``dtype``); default: ``weights.scheme``, else ``dtype``. ``weights``
     (an :class:`ExpertWeights` of that shape, scheme and dtype) is created if not given.
     Each call gets a fresh pre-generated routing; the number of timed calls is ``iters``
     if given, else enough for ``min_time`` seconds, clamped to ``[min_iters, max_iters]``
-    (estimated from the warm-up). The baselines (``baseline``: the eager loop; for int8
-    and ``int8pack`` also the ``torch._weight_int8pack_mm`` loop where torch has it) use
-    the same routings (a prefix, when slower). ``capped`` is this case's result from
-    :func:`run_capped_baseline`, if any. ``ms`` is the median. Fractions and the bound
-    are filled in when ``read_gbps`` and the scheme's peak (``fma_peak_gflops`` for
-    bf16/fp16, ``int8_peak_gops`` for int8) are given, else None.
+    (estimated from the warm-up). The baselines (``baseline``: the eager loop; with
+    ``torch_baseline`` also the scheme's torch path, e.g. the ``torch._weight_int8pack_mm``
+    loop for int8, where torch has it) use the same routings (a prefix, when slower).
+    ``capped`` is this case's result from :func:`run_capped_baseline`, if any. ``ms`` is
+    the median. Fractions and the bound are filled in when ``limits`` (or ``read_gbps`` and
+    the scheme's peak: ``fma_peak_gflops`` or ``int8_peak_gops``) are given, else None.
+    For each count in ``scaling_threads`` cpumoe is timed again with that many torch
+    threads (``thread_scaling``; its bound fraction against ``scaling_limits[count]``).
     ``progress(fraction_of_case, text)`` is called as the case advances.
     """
     shape = _as_shape(shape)
@@ -733,10 +1067,11 @@ def run_case(
         raise ValueError(f"M must be positive, got {M}")
     if scheme is None:
         scheme = weights.scheme if weights is not None else _dtype_name(dtype)
-    if scheme in DTYPES:
-        dtype = scheme
-    elif scheme not in ("int8", "fp8"):
+    if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
+    spec = SCHEMES[scheme]
+    if spec.float_weights:
+        dtype = scheme
     dname = _dtype_name(dtype)
     tdtype = DTYPES[dname]
     if weights is None:
@@ -744,45 +1079,32 @@ def run_case(
     if (weights.scheme != scheme or weights.dtype != tdtype
             or weights.w1.shape != (shape.E, 2 * shape.N, shape.K)):
         raise ValueError("weights do not match the case's shape, scheme and dtype")
+    if limits is None:
+        limits = Limits(read_gbps, fma_peak_gflops, int8_peak_gops)
     E, topk, K, N = shape.E, shape.topk, shape.K, shape.N
     report = progress or (lambda frac, text: None)
     label = f"{shape.name} {scheme} M={M}"
 
     g, x, warm = _case_inputs(shape, M, tdtype, seed)
 
-    if weights.is_int8:
-        def call_cpumoe(r: Routing) -> torch.Tensor:
-            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
-                                 moe_comp_method=MoeCompMethod.INT8_W8A8, w1_scale=weights.s1,
-                                 w2_scale=weights.s2, is_vnni=True)
-    elif weights.is_fp8:
-        def call_cpumoe(r: Routing) -> torch.Tensor:
-            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
-                                 moe_comp_method=MoeCompMethod.FP8_W8A16, w1_scale=weights.s1,
-                                 w2_scale=weights.s2, block_size=list(FP8_BLOCK), is_vnni=True)
-    else:
-        def call_cpumoe(r: Routing) -> torch.Tensor:
-            return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
-                                 is_vnni=True)
+    def call_cpumoe(r: Routing) -> torch.Tensor:
+        return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
+                             is_vnni=True, **weights.kwargs)
 
-    def call_baseline(r: Routing) -> torch.Tensor:
-        return baseline_moe(x, weights.w1, weights.w2, r.topk_weights, r.topk_ids)
+    impls = []  # in-process baselines: (Baseline, fn)
+    keys = ["baseline"] if baseline else []
+    if baseline and torch_baseline and spec.torch_baseline:
+        keys.append(spec.torch_baseline)
+    for key in keys:
+        b = BASELINES[key]
+        if b.unavailable(tdtype) is None:
+            impls.append((b, b.make_call(weights, x)))
 
-    impls = []  # in-process baselines: (record key, label, fn)
-    if baseline:
-        impls.append(("baseline", "eager baseline", call_baseline))
-    if baseline and int8pack and weights.is_int8 and int8pack_unavailable(tdtype) is None:
-        s1 = weights.s1.squeeze(-1).to(tdtype)  # _weight_int8pack_mm wants [OC] in A's dtype
-        s2 = weights.s2.squeeze(-1).to(tdtype)
-
-        def call_int8pack(r: Routing) -> torch.Tensor:
-            return baseline_int8pack_moe(x, weights.q1, s1, weights.q2, s2, r.topk_weights,
-                                         r.topk_ids)
-
-        impls.append(("int8pack", "int8pack baseline", call_int8pack))
-
-    share = 1.0 / (1 + len(impls))
+    threads = torch.get_num_threads()
+    scaling_threads = [c for c in scaling_threads if c != threads]
+    share = 1.0 / (1 + len(impls) + len(scaling_threads))
     found: Dict[str, tuple] = {}
+    scaled: List[tuple] = []
     with torch.inference_mode():
         gc.collect()
         report(0.0, f"{label}: cpumoe warm-up")
@@ -790,43 +1112,61 @@ def run_case(
         routings = make_routings(n, M, E, topk, g)
         times, out_c, load_c = _time_calls(call_cpumoe, routings,
                                            _ticker(report, 0.0, share, n, f"{label}: cpumoe"))
-        for k, (key, name, fn) in enumerate(impls):
+        for k, (b, fn) in enumerate(impls):
             lo = share * (k + 1)
+            name = f"{b.column} baseline"
             report(lo, f"{label}: {name} warm-up")
             nb = min(_iterations(_warm_up(fn, warm), iters, min_time, min_iters, max_iters), n)
             bt, out_b, load_b = _time_calls(fn, routings[:nb],
                                             _ticker(report, lo, share, nb, f"{label}: {name}"))
-            found[key] = (bt, _rel_diff(out_c, out_b), load_b.fraction)
+            found[b.key] = (bt, _rel_diff(out_c, out_b), load_b.fraction)
+        for k, count in enumerate(scaling_threads):
+            lo = share * (1 + len(impls) + k)
+            report(lo, f"{label}: cpumoe at {count} threads warm-up")
+            torch.set_num_threads(count)
+            try:
+                nt = min(_iterations(_warm_up(call_cpumoe, warm), iters, min_time, min_iters,
+                                     max_iters), n)
+                st, out_t, load_t = _time_calls(
+                    call_cpumoe, routings[:nt],
+                    _ticker(report, lo, share, nt, f"{label}: cpumoe at {count} threads"))
+            finally:
+                torch.set_num_threads(threads)
+            scaled.append((count, st, torch.equal(out_t, out_c), load_t.fraction))
 
     distinct = statistics.fmean(int(torch.unique(r.topk_ids).numel()) for r in routings)
     weight_bytes = distinct * weights.expert_bytes()
     flops = 2.0 * M * topk * 3 * N * K
     sec = statistics.median(times)
-    peak = int8_peak_gops if weights.is_int8 else fma_peak_gflops
+    peak = limits.peak(spec.peak_kind)
+    bound = limits.bound(weight_bytes, flops, spec.peak_kind)
     rec = {
         "shape": shape.name, "scheme": scheme, "E": E, "topk": topk, "K": K, "N": N, "M": M,
         "dtype": dname,
+        "threads": threads,
+        "tier": _C.active_isa(),
         "ms": sec * 1e3,
         "ms_min": min(times) * 1e3,
         "iters": len(times),
         "distinct_experts": distinct,
         "weight_bytes": weight_bytes,
         "gbps": weight_bytes / sec / 1e9,
-        "bw_fraction": None,
+        "bw_fraction": weight_bytes / sec / 1e9 / limits.read_gbps if limits.read_gbps else None,
         "flops": flops,
         "gflops": flops / sec / 1e9,
-        "peak_kind": "u8s8" if weights.is_int8 else "fp32_fma",
-        "peak_fraction": None,
-        "bound": None,
-        "bound_fraction": None,
+        "peak_kind": spec.peak_kind,
+        "peak_fraction": flops / sec / 1e9 / peak if peak else None,
+        "bound": bound[0] if bound else None,
+        "bound_ms": bound[1] * 1e3 if bound else None,
+        "bound_fraction": bound[1] / sec if bound else None,
     }
-    for key, prefix in (("baseline", "baseline"), ("int8pack", "int8pack")):
+    for key in BASELINES:
         bt, diff, others = found.get(key, (None, None, None))
         med = statistics.median(bt) if bt else None
         rec.update({
-            f"{prefix}_ms": med * 1e3 if med else None,
-            f"{prefix}_iters": len(bt) if bt else None,
-            "speedup" if key == "baseline" else "speedup_int8pack": med / sec if med else None,
+            f"{key}_ms": med * 1e3 if med else None,
+            f"{key}_iters": len(bt) if bt else None,
+            _speedup_key(key): med / sec if med else None,
             f"rel_diff_vs_{key}": diff,
         })
     cap = capped if capped and capped.get("ms") else None
@@ -836,19 +1176,23 @@ def run_case(
         "speedup_capped": cap["ms"] / (sec * 1e3) if cap else None,
         "rel_diff_vs_capped": _rel_diff(out_c, cap.get("out")) if cap else None,
         "others_cpu_fraction": load_c.fraction,
-        "baseline_others_cpu_fraction": found.get("baseline", (None,) * 3)[2],
-        "int8pack_others_cpu_fraction": found.get("int8pack", (None,) * 3)[2],
-        "capped_others_cpu_fraction": cap.get("others_cpu_fraction") if cap else None,
     })
-    if read_gbps:
-        rec["bw_fraction"] = rec["gbps"] / read_gbps
-    if peak:
-        rec["peak_fraction"] = rec["gflops"] / peak
-    if read_gbps and peak:
-        t_bw = weight_bytes / (read_gbps * 1e9)
-        t_fl = flops / (peak * 1e9)
-        rec["bound"] = "bandwidth" if t_bw >= t_fl else "compute"
-        rec["bound_fraction"] = max(t_bw, t_fl) / sec
+    for key in BASELINES:
+        rec[f"{key}_others_cpu_fraction"] = found.get(key, (None,) * 3)[2]
+    rec["capped_others_cpu_fraction"] = cap.get("others_cpu_fraction") if cap else None
+    rec["thread_scaling"] = []
+    for count, st, identical, others in scaled:
+        ms_c = statistics.median(st)
+        lim = (scaling_limits or {}).get(count)
+        b_c = lim.bound(weight_bytes, flops, spec.peak_kind) if lim else None
+        rec["thread_scaling"].append({
+            "threads": count, "ms": ms_c * 1e3, "ms_min": min(st) * 1e3, "iters": len(st),
+            "scaling": ms_c / sec,  # how much faster the row's thread count is
+            "bound_ms": b_c[1] * 1e3 if b_c else None,
+            "bound_fraction": b_c[1] / ms_c if b_c else None,
+            "identical_output": identical,
+            "others_cpu_fraction": others,
+        })
     return rec
 
 
@@ -1062,22 +1406,18 @@ _COLUMNS = [
     ("shape", 17, lambda r: r["shape"]),
     ("scheme", 6, lambda r: r.get("scheme") or r["dtype"]),
     ("M", 5, lambda r: str(r["M"])),
+    ("tier", 6, lambda r: r.get("tier") or "-"),
+    ("thr", 3, lambda r: str(r.get("threads") or "-")),
     ("ms", 9, lambda r: f"{r['ms']:.2f}"),
-    ("wt MB", 8, lambda r: f"{r['weight_bytes'] / 1e6:.0f}"),
-    ("GB/s", 7, lambda r: f"{r['gbps']:.1f}"),
+    ("bound ms", 9, lambda r: _ms(r.get("bound_ms"))),
+    ("bound", 5, lambda r: {"bandwidth": "bw", "compute": "ops"}.get(r["bound"], "-")),
+    ("%bound", 6, lambda r: _pct(r["bound_fraction"])),
+    ("wt MB", 7, lambda r: f"{r['weight_bytes'] / 1e6:.0f}"),
+    ("GB/s", 6, lambda r: f"{r['gbps']:.1f}"),
     ("%bw", 5, lambda r: _pct(r["bw_fraction"])),
-    ("GFLOP/s", 8, lambda r: f"{r['gflops']:.1f}"),
-    ("%peak", 6, lambda r: _pct(r["peak_fraction"])),
-    ("bound", 6, lambda r: {"bandwidth": "bw", "compute": "flop"}.get(r["bound"], "-")),
-    ("%bound", 7, lambda r: _pct(r["bound_fraction"])),
-    ("eager ms", 10, lambda r: _ms(r["baseline_ms"])),
-    ("speedup", 8, lambda r: _ratio(r["speedup"])),
+    ("GOP/s", 7, lambda r: f"{r['gflops']:.1f}"),
+    ("%peak", 5, lambda r: _pct(r["peak_fraction"])),
     ("others", 7, lambda r: _others(r)),
-]
-# extra columns, before "others": the int8pack baseline (int8 runs) and the capped baseline
-_INT8PACK_COLUMNS = [
-    ("int8pack ms", 11, lambda r: _ms(r.get("int8pack_ms"))),
-    ("vs int8pack", 11, lambda r: _ratio(r.get("speedup_int8pack"))),
 ]
 _CAPPED_COLUMNS = [
     ("capped ms", 10, lambda r: _ms(r.get("eager_capped_ms"))),
@@ -1085,19 +1425,57 @@ _CAPPED_COLUMNS = [
 ]
 
 
-def table_columns(int8pack: bool = False, capped: bool = False) -> list:
-    """The table's columns: the base ones, plus the int8pack and/or capped baseline's."""
-    extra = (_INT8PACK_COLUMNS if int8pack else []) + (_CAPPED_COLUMNS if capped else [])
+def _baseline_columns(key: str) -> list:
+    col = BASELINES[key].column
+    width = max(len(col) + 3, 8)
+    return [(f"{col} ms", width, lambda r: _ms(r.get(f"{key}_ms"))),
+            (f"vs {col}", width, lambda r: _ratio(r.get(_speedup_key(key))))]
+
+
+def _scaling_columns(count: int, threads: int) -> list:
+    def entry(r: dict) -> Optional[dict]:
+        return next((s for s in r.get("thread_scaling") or [] if s["threads"] == count), None)
+
+    def ms(r: dict) -> str:
+        e = entry(r)
+        return _ms(e["ms"] if e else None) + ("" if not e or e["identical_output"] else "!")
+
+    def ratio(r: dict) -> str:
+        e = entry(r)
+        return _ratio(e["scaling"] if e else None)
+
+    return [(f"{count}t ms", 9, ms), (f"{count}->{threads}t", 7, ratio)]
+
+
+def table_columns(int8pack: bool = False, capped: bool = False,
+                  baselines: Sequence[str] = (), scaling: Sequence[int] = (),
+                  threads: Optional[int] = None) -> list:
+    """The table's columns: the base ones, then for each key of :data:`BASELINES` in
+    ``baselines`` (``int8pack=True`` adds "int8pack") its time and ratio, the capped
+    baseline's, and for each count in ``scaling`` cpumoe's time at that many threads and
+    its ratio to the row's (``threads``) time; "others" last."""
+    keys = list(baselines) + (["int8pack"] if int8pack and "int8pack" not in baselines else [])
+    extra: list = []
+    for key in BASELINES:  # in table order
+        if key in keys:
+            extra += _baseline_columns(key)
+    extra += _CAPPED_COLUMNS if capped else []
+    threads = threads or torch.get_num_threads()
+    for count in scaling:
+        extra += _scaling_columns(count, threads)
     return _COLUMNS[:-1] + extra + _COLUMNS[-1:]
+
 
 NOISY = 0.10  # others' share of the CPUs above which a row is flagged
 
 
 def case_others_fraction(rec: dict) -> Optional[float]:
     """Largest share of the CPUs used by other processes while the case was timed."""
-    keys = ("others_cpu_fraction", "baseline_others_cpu_fraction",
-            "int8pack_others_cpu_fraction", "capped_others_cpu_fraction")
+    keys = (["others_cpu_fraction", "capped_others_cpu_fraction"]
+            + [f"{k}_others_cpu_fraction" for k in BASELINES])
     vals = [rec[k] for k in keys if rec.get(k) is not None]
+    vals += [s["others_cpu_fraction"] for s in rec.get("thread_scaling") or []
+             if s.get("others_cpu_fraction") is not None]
     return max(vals) if vals else None
 
 
@@ -1136,34 +1514,124 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / _GiB:.2f} GiB" if n >= _GiB else f"{n / (1 << 20):.0f} MiB"
 
 
+# ---- roofline picture ----------------------------------------------------------------------
+
+
+def _matplotlib_figure():
+    """matplotlib's Figure class (imported here: matplotlib is optional); a clear error
+    when it is not installed."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib, which is not installed here "
+                           "(pip install matplotlib)") from None
+    return Figure, Line2D
+
+
+def write_plot(doc: dict, path: str):
+    """Draws the roofline picture of a run (``doc`` is the ``--json`` document) into
+    ``path`` (PNG, or any format matplotlib infers from the name): one panel per scheme,
+    log-log, x = M, y = GOP/s = 2·M·topk·3·N·K / time. Per shape (one colour): cpumoe
+    (solid, dots), its bound (dashed: ops / bound time, i.e. the bandwidth line rising with
+    M until it meets the peak) and the eager baseline (dotted). Returns the matplotlib
+    Figure."""
+    Figure, Line2D = _matplotlib_figure()
+    cases = doc["cases"]
+    if not cases:
+        raise ValueError("no cases to plot")
+    schemes = list(dict.fromkeys(c["scheme"] for c in cases))
+    shapes = list(dict.fromkeys(c["shape"] for c in cases))
+    colour = {s: f"C{i % 10}" for i, s in enumerate(shapes)}
+    ncol = min(len(schemes), 3)
+    nrow = -(-len(schemes) // ncol)
+    fig = Figure(figsize=(5.2 * ncol, 4.2 * nrow + 0.9), layout="constrained")
+    axes = fig.subplots(nrow, ncol, squeeze=False)
+    for ax, scheme in zip(axes.flat, schemes):
+        for shape in shapes:
+            rows = sorted((c for c in cases if c["scheme"] == scheme and c["shape"] == shape),
+                          key=lambda c: c["M"])
+            if not rows:
+                continue
+            ms = [c["M"] for c in rows]
+            ax.plot(ms, [c["gflops"] for c in rows], "o-", color=colour[shape], ms=4)
+            bound = [(c["M"], c["flops"] / c["bound_ms"] / 1e6) for c in rows if c["bound_ms"]]
+            if bound:
+                ax.plot(*zip(*bound), "--", color=colour[shape], lw=1.2)
+            eager = [(c["M"], c["flops"] / c["baseline_ms"] / 1e6) for c in rows
+                     if c.get("baseline_ms")]
+            if eager:
+                ax.plot(*zip(*eager), ":", color=colour[shape], lw=1.2)
+        kind = SCHEMES[scheme].peak_kind if scheme in SCHEMES else "fp32_fma"
+        ax.set_title(f"{scheme} (bound: read bandwidth, "
+                     f"{'u8*s8' if kind == 'u8s8' else 'fp32 FMA'} peak)", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("GOP/s (2·M·topk·3·N·K / time)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(schemes):]:
+        ax.set_visible(False)
+    handles = [Line2D([], [], color=colour[s], marker="o", ms=4, label=s) for s in shapes]
+    handles += [Line2D([], [], color="k", ls=ls, label=text) for ls, text in
+                (("-", "cpumoe"), ("--", "bound (roofline)"), (":", "eager PyTorch loop"))]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
+               fontsize=9, frameon=False)
+    m = doc["machine"]
+    limits = f"read {m['read_gbps']:.1f} GB/s, fp32 FMA {m['fma_peak_gflops']:.0f} GFLOP/s"
+    if m.get("int8_peak_gops"):
+        limits += f", u8*s8 {m['int8_peak_gops']:.0f} GOP/s"
+    fig.suptitle(f"cpumoe {m['cpumoe_version']} fused_experts, tier {m['tier']}, "
+                 f"{m['threads']} threads, {m['cpu_model']}\nlimits measured in the run: "
+                 f"{limits}", fontsize=10)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
 # ---- CLI -----------------------------------------------------------------------------------
+
+# --quick: a representative subset that finishes in under 2 minutes on the 2-vCPU dev VM:
+# one shape, every scheme, decode / mid / prefill M, shorter timing, 1-thread scaling.
+QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
+         "min_time": 0.5}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--shape", default=DEFAULT_SHAPE,
-                   help="qwen3-30b-a3b (default), mixtral-8x7b, deepseek-v2-lite, all, or "
-                        "custom:E,topk,K,N; join several with '+'")
-    p.add_argument("--m", type=_parse_m, default=list(DEFAULT_M), metavar="M,M,...",
-                   help="token counts (default: %s)" % ",".join(map(str, DEFAULT_M)))
+    p.add_argument("--shape", default=None,
+                   help="%s (default %s), all, or custom:E,topk,K,N (K, N multiples of 32); "
+                        "join several with '+'" % (", ".join(SHAPES), DEFAULT_SHAPE))
+    p.add_argument("--m", type=_parse_m, default=None, metavar="M,M,...",
+                   help="token counts, or all (%s) (default: %s)"
+                        % (",".join(map(str, ALL_M)), ",".join(map(str, DEFAULT_M))))
     p.add_argument("--scheme", type=parse_schemes, default=None, metavar="S,S,...",
-                   help="weight schemes, comma list of bf16, fp16 (weights and activations in "
-                        "that dtype) and int8 (INT8 W8A8, moe_comp_method=1: per-channel int8 "
-                        "weights, activations in --dtype) (default: --dtype, i.e. bf16)")
+                   help="weight schemes, comma list of %s or all: bf16, fp16 (weights and "
+                        "activations in that dtype), int8 (INT8 W8A8), fp8 (FP8 W8A16), int4 "
+                        "(INT4 W4A8; skipped with the reason if this cpumoe cannot run it); "
+                        "quantized schemes take activations in --dtype (default: --dtype)"
+                        % ", ".join(SCHEMES))
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="activation and weight dtype when --scheme is not given; the "
-                        "activation dtype of int8 rows (default bf16)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads(N) first (default: keep torch's, %d here)"
-                        % torch.get_num_threads())
+                        "activation dtype of the quantized schemes' rows (default bf16)")
+    p.add_argument("--threads", type=_parse_threads, default=None, metavar="N[,N...]",
+                   help="torch.set_num_threads: the rows run at the largest count; each "
+                        "other count times cpumoe again (columns 'Nt ms' and 'N->Mt' = time "
+                        "at N threads / time of the row), e.g. 1,2 (default: keep torch's, "
+                        "%d here)" % torch.get_num_threads())
+    p.add_argument("--quick", action="store_true",
+                   help="a representative subset in under 2 minutes on a 2-vCPU machine: "
+                        "--shape %s --scheme %s --m %s --min-time %s --threads 1,%d; any of "
+                        "these given explicitly wins"
+                        % (QUICK["shape"], QUICK["scheme"], QUICK["m"], QUICK["min_time"],
+                           torch.get_num_threads()))
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per case (default: enough for --min-time)")
-    p.add_argument("--min-time", type=float, default=2.0, metavar="SEC",
+    p.add_argument("--min-time", type=float, default=None, metavar="SEC",
                    help="seconds of timed calls per case and implementation when --iters is "
                         "not given; at least 3 calls (fewer if they would take over 4x this), "
                         "at most 200 (default 2.0)")
     p.add_argument("--no-baseline", action="store_true",
-                   help="skip the in-process baselines (the PyTorch eager per-expert loop and, "
-                        "for int8, the torch._weight_int8pack_mm loop)")
+                   help="skip the in-process baselines (the PyTorch eager per-expert loop and "
+                        "torch's int8/int4 weight-only loops)")
     p.add_argument("--baseline-isa", metavar="NAME", default=None,
                    help="also time the eager baseline in a subprocess started with "
                         "ONEDNN_MAX_CPU_ISA=NAME, e.g. avx512_core_vnni (a Cascade Lake class "
@@ -1172,6 +1640,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write a JSON document to PATH ('-' = stdout; the table then "
                         "goes to stderr)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw the roofline picture (achieved and bound GOP/s over M, a "
+                        "panel per scheme, log axes) into FILE; needs matplotlib")
     p.add_argument("--progress", action="store_true",
                    help="show the progress bar even if stderr is not a terminal")
     p.add_argument("--bw-mib", type=int, default=None, metavar="MiB",
@@ -1183,10 +1654,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_parser(prog: str = "python -m cpumoe bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Time cpumoe.fused_experts (bf16/fp16 or INT8 W8A8 weights) on MoE model "
-                    "shapes against the machine's measured streaming-read bandwidth and fp32 "
-                    "FMA / u8*s8 peak, and against the PyTorch eager per-expert loop.")
+        description="Time cpumoe.fused_experts (bf16/fp16, INT8, FP8 or INT4 weights) on MoE "
+                    "model shapes against the machine's measured streaming-read bandwidth and "
+                    "fp32 FMA / u8*s8 peak (the roofline), and against the PyTorch code a user "
+                    "would run instead.")
     return add_arguments(p)
+
+
+def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the options not given from the ``--quick`` preset or the defaults."""
+    quick = bool(getattr(args, "quick", False))
+    if args.shape is None:
+        args.shape = QUICK["shape"] if quick else DEFAULT_SHAPE
+    if args.m is None:
+        args.m = _parse_m(QUICK["m"]) if quick else list(DEFAULT_M)
+    if args.scheme is None:
+        args.scheme = parse_schemes(QUICK["scheme"]) if quick else [args.dtype]
+    if args.min_time is None:
+        args.min_time = QUICK["min_time"] if quick else 2.0
+    if args.threads is None:
+        n = torch.get_num_threads()
+        args.threads = [n, 1] if quick and n > 1 else [n]
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -1195,28 +1684,57 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == [_WORKER_FLAG]:  # the subprocess of --baseline-isa
         return _baseline_worker(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = resolve_arguments(parser.parse_args(argv))
     try:
         shapes = parse_shapes(args.shape)
     except ValueError as e:
         parser.error(str(e))
     if args.iters is not None and args.iters <= 0:
         parser.error("--iters must be positive")
-    if args.scheme is None:
-        args.scheme = [args.dtype]
+    if args.min_time <= 0:
+        parser.error("--min-time must be positive")
     if args.baseline_isa is not None and not args.baseline_isa.strip():
         parser.error("--baseline-isa needs a oneDNN ISA name, e.g. avx512_core_vnni")
-    if args.threads is not None:
-        if args.threads <= 0:
-            parser.error("--threads must be positive")
-        torch.set_num_threads(args.threads)
+    if args.plot:
+        try:  # fail now, not after the run
+            _matplotlib_figure()
+        except RuntimeError as e:
+            parser.error(str(e))
+    torch.set_num_threads(args.threads[0])
     return run(args, shapes)
 
 
-def _scheme_text(schemes: Sequence[str], dtype: str) -> str:
-    if list(schemes) == [dtype] or all(s in DTYPES for s in schemes):
-        return ", ".join(schemes)
-    return ", ".join(schemes) + f" (int8 = W8A8, {dtype} activations)"
+def _limits_line(label: str, samples: List[float], unit: str, detail: str, fmt: str) -> str:
+    return (f"{label}{max(samples):{fmt}} {unit} (best of {len(samples)} {detail}; median "
+            f"{statistics.median(samples):{fmt}})")
+
+
+def _limit_lines(lim: dict, used_by: Dict[str, List[str]]) -> List[str]:
+    """The header lines of one thread count's limits; ``used_by[kind]`` = schemes judged
+    against that peak."""
+    bw, fma, i8 = lim["read"], lim["fma"], lim["int8"]
+    out = [_limits_line("streaming read: ", bw["samples_gbps"], "GB/s",
+                        f"runs x {bw['passes']} passes over {_fmt_bytes(bw['buffer_bytes'])}",
+                        ".1f"),
+           _limits_line("fp32 FMA peak:  ", fma["samples_gflops"], "GFLOP/s",
+                        f"runs of ~{fma['seconds_per_run']} s", ".0f")]
+    if used_by.get("fp32_fma"):
+        out[-1] += f"; bound of {', '.join(used_by['fp32_fma'])} rows"
+    if i8:
+        out.append(_limits_line("u8*s8 peak:     ", i8["samples_gops"], "GOP/s",
+                                f"runs of ~{i8['seconds_per_run']} s", ".0f")
+                   + f"; bound of {', '.join(used_by.get('u8s8', []))} rows")
+    return out
+
+
+def _limits_json(lim: dict) -> dict:
+    bw, fma, i8 = lim["read"], lim["fma"], lim["int8"]
+    return {"threads": lim["threads"], "read_gbps": max(bw["samples_gbps"]),
+            "read_samples_gbps": bw["samples_gbps"],
+            "fma_peak_gflops": max(fma["samples_gflops"]),
+            "fma_samples_gflops": fma["samples_gflops"],
+            "int8_peak_gops": max(i8["samples_gops"]) if i8 else None,
+            "int8_samples_gops": i8["samples_gops"] if i8 else None}
 
 
 def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
@@ -1224,37 +1742,58 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     json_stdout = args.json == "-"
     out = sys.stderr if json_stdout else sys.stdout  # the human-readable table
     show_bar = args.progress or (not json_stdout and sys.stderr.isatty())
-    schemes = list(args.scheme)
-    has_int8 = "int8" in schemes
-    capped_isa = args.baseline_isa.strip() if args.baseline_isa else None
-    total_cases = len(shapes) * len(schemes) * len(args.m)
-    # budget: 1 unit per case, 0.5 per case for the capped baseline, 0.5 (0.7 with the u8*s8
-    # peak) for the limits at the start and 0.25 at the end
-    t_limits = 0.7 if has_int8 else 0.5
-    t_capped = 0.5 * total_cases if capped_isa else 0.0
-    bar = Progress(total_cases + t_limits + t_capped + 0.25, enabled=show_bar)
+    threads, scaling = args.threads[0], list(args.threads[1:])
 
     def emit(line: str = "") -> None:
         bar.write(line, out)
 
+    bar = Progress(1.0, enabled=False)
+    skipped = {s: r for s in args.scheme if (r := scheme_unavailable(s, args.dtype))}
+    schemes = [s for s in args.scheme if s not in skipped]
+    for s, reason in skipped.items():
+        emit(f"scheme {s} skipped: {reason}")
+    if not schemes:
+        emit("nothing to run: every scheme asked for was skipped")
+        return 1
+    used_by: Dict[str, List[str]] = {}
+    for s in schemes:
+        used_by.setdefault(SCHEMES[s].peak_kind, []).append(s)
+    need_int8 = "u8s8" in used_by
+    capped_isa = args.baseline_isa.strip() if args.baseline_isa else None
+    baseline_keys = [] if args.no_baseline else ["baseline"]
+    unavailable: Dict[str, Optional[str]] = {}
+    for s in schemes:
+        key = SCHEMES[s].torch_baseline
+        if key and not args.no_baseline and key not in unavailable:
+            unavailable[key] = BASELINES[key].unavailable(DTYPES[args.dtype])
+            if unavailable[key] is None:
+                baseline_keys.append(key)
+    total_cases = len(shapes) * len(schemes) * len(args.m)
+    # budget: 1 unit per case (+0.3 per scaling count), 0.5 per case for the capped
+    # baseline, 0.5 (0.7 with the u8*s8 peak) per thread count for the limits, 0.25 at the end
+    t_limits = (0.7 if need_int8 else 0.5) * len(args.threads)
+    t_capped = 0.5 * total_cases if capped_isa else 0.0
+    case_units = 1 + 0.3 * len(scaling)
+    bar = Progress(total_cases * case_units + t_limits + t_capped + 0.25, enabled=show_bar)
+
     info = machine_info()
     busy0 = cpu_busy_fraction()
     bw_bytes = args.bw_mib << 20 if args.bw_mib else None
-    int8pack_reason = int8pack_unavailable(args.dtype) if has_int8 else None
-    int8pack_cols = has_int8 and not args.no_baseline and int8pack_reason is None
-    columns = table_columns(int8pack=int8pack_cols, capped=bool(capped_isa))
+    columns = table_columns(baselines=baseline_keys, capped=bool(capped_isa), scaling=scaling,
+                            threads=threads)
     try:
-        bar.update(0.0, "measuring streaming-read bandwidth", force=True)
-        bw0 = _read_bandwidth_samples(bw_bytes)
-        bar.update(0.3, "measuring fp32 FMA peak", force=True)
-        fma = _fma_peak_samples()
-        i8 = None
-        if has_int8:
-            bar.update(0.5, "measuring u8*s8 peak", force=True)
-            i8 = _int8_peak_samples()
-        read_gbps = max(bw0["samples_gbps"])
-        peak = max(fma["samples_gflops"])
-        peak_i8 = max(i8["samples_gops"]) if i8 else None
+        bar.update(0.0, f"measuring the limits at {threads} threads", force=True)
+        lim_main = measure_limits(need_int8, bw_bytes)
+        lim_by_threads = {threads: lim_main}
+        for k, count in enumerate(scaling):
+            bar.update(t_limits * (k + 1) / len(args.threads),
+                       f"measuring the limits at {count} threads", force=True)
+            torch.set_num_threads(count)
+            try:
+                lim_by_threads[count] = measure_limits(need_int8, bw_bytes)
+            finally:
+                torch.set_num_threads(threads)
+        limits = lim_main["limits"]
         bar.update(t_limits, "limits measured")
 
         capped = None
@@ -1269,38 +1808,35 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
             bar.update(t_limits + t_capped)
         t0_cases = t_limits + t_capped
 
-        emit(f"cpumoe {info['cpumoe_version']} bench: tier {info['tier']}, {info['threads']} "
-             f"threads, {_scheme_text(schemes, args.dtype)}, torch {info['torch_version']}")
+        emit(f"cpumoe {info['cpumoe_version']} bench: tier {info['tier']}, {threads} "
+             f"thread{'s' if threads > 1 else ''}"
+             + (f" (and {', '.join(map(str, scaling))} for the scaling columns)"
+                if scaling else "") + f", torch {info['torch_version']}")
         emit(f"CPU: {info['cpu_model']} ({info['logical_cpus']} logical CPUs"
              + (f", LLC {_fmt_bytes(info['last_level_cache_bytes'])}"
                 if info["last_level_cache_bytes"] else "") + ")")
         emit(f"tier: {info['isa_reason']}")
-        emit(f"streaming read: {read_gbps:.1f} GB/s (best of {len(bw0['samples_gbps'])} runs x "
-             f"{bw0['passes']} passes over {_fmt_bytes(bw0['buffer_bytes'])}; median "
-             f"{statistics.median(bw0['samples_gbps']):.1f})")
-        emit(f"fp32 FMA peak:  {peak:.0f} GFLOP/s (best of {len(fma['samples_gflops'])} runs "
-             f"of ~{fma['seconds_per_run']} s; median "
-             f"{statistics.median(fma['samples_gflops']):.0f})"
-             + ("; %peak and bound of bf16/fp16 rows" if has_int8 else ""))
-        if i8:
-            emit(f"u8*s8 peak:     {peak_i8:.0f} GOP/s (best of {len(i8['samples_gops'])} runs "
-                 f"of ~{i8['seconds_per_run']} s; median "
-                 f"{statistics.median(i8['samples_gops']):.0f}); %peak and bound of int8 rows")
+        for s in schemes:
+            emit(f"{s}: {SCHEMES[s].text}"
+                 + ("" if SCHEMES[s].float_weights else f"; {args.dtype} activations"))
+        for line in _limit_lines(lim_main, used_by):
+            emit(line)
+        for count in scaling:
+            emit(f"at {count} thread{'s' if count > 1 else ''}:")
+            for line in _limit_lines(lim_by_threads[count], used_by):
+                emit("  " + line)
         if busy0 is not None and busy0 > 0.1:
             emit(f"WARNING: other processes kept the CPUs {100 * busy0:.0f}% busy just before "
                  "the run; figures will be noisy")
-        emit("fresh random routing on every call (weights come from DRAM); ms = median; "
-             "%bw, %peak, %bound vs the limits above;")
-        if not args.no_baseline:
-            emit("speedup = eager per-expert PyTorch loop in the row's activation dtype"
-                 + (" (int8 rows: over the dequantized weights)" if has_int8 else "")
-                 + " / cpumoe;")
-        if has_int8 and not args.no_baseline:
-            if int8pack_reason is None:
-                emit(f"vs int8pack = per-expert loop over torch._weight_int8pack_mm (int8 "
-                     f"weights, {args.dtype} activations) / cpumoe, int8 rows;")
-            else:
-                emit(f"int8pack baseline skipped: {int8pack_reason}")
+        emit("fresh random routing on every call (weights come from DRAM); ms = median;")
+        emit("bound ms = the larger of weight bytes / read bandwidth (bound 'bw') and "
+             "operations / peak (bound 'ops'); %bound = bound ms / ms; %bw, %peak likewise;")
+        for key in baseline_keys:
+            b = BASELINES[key]
+            emit(f"vs {b.column} = {b.text} / cpumoe;")
+        for key, reason in unavailable.items():
+            if reason:
+                emit(f"{BASELINES[key].column} baseline skipped: {reason}")
         if capped:
             impls = ", ".join(f"{d} GEMM {v}" for d, v in sorted(capped["matmul_impl"].items()))
             no_onednn = [d for d in sorted({s if s in DTYPES else args.dtype for s in schemes})
@@ -1311,12 +1847,17 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                  f"{'; ' + impls.lstrip(', ') if impls else ''});")
             if capped["error"]:
                 emit(f"capped baseline FAILED: {capped['error']}")
+        for count in scaling:
+            emit(f"{count}->{threads}t = cpumoe's time at {count} thread"
+                 f"{'s' if count > 1 else ''} / its time at {threads} (ideal "
+                 f"{threads / count:.2f}x; '!' after '{count}t ms': output not bit-identical);")
         emit("others = share of the CPUs used by other processes while the case was timed")
         emit()
         emit(format_header_row(columns))
 
         cases: List[dict] = []
-        done = 0
+        done = 0.0
+        scaling_limits = {c: lim_by_threads[c]["limits"] for c in scaling}
         for shape in shapes:
             for scheme in schemes:
                 bar.update(t0_cases + done, f"{shape.name} {scheme}: generating and packing "
@@ -1327,12 +1868,14 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                     rec = run_case(
                         shape, M, dtype=args.dtype, scheme=scheme, weights=weights,
                         iters=args.iters, min_time=args.min_time,
-                        baseline=not args.no_baseline, capped=cap, read_gbps=read_gbps,
-                        fma_peak_gflops=peak, int8_peak_gops=peak_i8, seed=args.seed,
-                        progress=lambda f, text, d=done: bar.update(t0_cases + d + f, text))
+                        baseline=not args.no_baseline, capped=cap, limits=limits,
+                        scaling_threads=scaling, scaling_limits=scaling_limits,
+                        seed=args.seed,
+                        progress=lambda f, text, d=done: bar.update(
+                            t0_cases + d + case_units * f, text))
                     cases.append(rec)
                     emit(format_row(rec, columns))
-                    done += 1
+                    done += case_units
                     bar.update(t0_cases + done)
                 del weights
                 gc.collect()
@@ -1344,20 +1887,30 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         bar.update(t0_cases + done + 0.25)
         wall = time.perf_counter() - t_start
         emit()
-        drift = (read_end - read_gbps) / read_gbps
-        emit(f"streaming read at the end: {read_end:.1f} GB/s (start {read_gbps:.1f}, "
+        drift = (read_end - limits.read_gbps) / limits.read_gbps
+        emit(f"streaming read at the end: {read_end:.1f} GB/s (start {limits.read_gbps:.1f}, "
              f"{100 * drift:+.0f}%){'  -- the machine was noisy' if abs(drift) > 0.1 else ''}")
         noisy = [c for c in cases if (case_others_fraction(c) or 0) > NOISY]
         if noisy:
             emit(f"* {len(noisy)} case(s) ran while other processes used more than "
                  f"{100 * NOISY:.0f}% of the CPUs (column 'others'); rerun them on a quiet machine")
-        for key, name in (("rel_diff_vs_baseline", "eager baseline"),
-                          ("rel_diff_vs_int8pack", "int8pack baseline"),
-                          ("rel_diff_vs_capped", "capped eager baseline")):
-            diffs = [c[key] for c in cases if c[key] is not None]
+        others = [v for c in cases if (v := case_others_fraction(c)) is not None]
+        if others:
+            emit(f"others' share of the CPUs while timing: median {100 * statistics.median(others):.0f}%,"
+                 f" max {100 * max(others):.0f}% over {len(others)} case(s)")
+        for key in list(BASELINES) + ["capped"]:
+            diffs = [c[f"rel_diff_vs_{key}"] for c in cases if c[f"rel_diff_vs_{key}"] is not None]
+            name = f"{BASELINES[key].column} baseline" if key in BASELINES else "capped eager baseline"
             if diffs:
                 emit(f"cpumoe vs {name}: max relative L2 difference {max(diffs):.1e}"
                      + ("  -- LARGER THAN EXPECTED" if max(diffs) > 5e-2 else ""))
+        differ = [f"{c['shape']} {c['scheme']} M={c['M']} at {s['threads']} threads"
+                  for c in cases for s in c["thread_scaling"] if not s["identical_output"]]
+        if differ:
+            emit(f"WARNING: output not bit-identical across thread counts: {'; '.join(differ)}")
+        elif scaling:
+            emit(f"cpumoe's outputs at {', '.join(map(str, scaling))} and {threads} threads: "
+                 "bit-identical in every case")
         if capped:
             failed = [c for c in capped["cases"].values() if c.get("error")]
             for c in failed:
@@ -1375,9 +1928,10 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     finally:
         bar.close()
 
+    bw0, fma, i8 = lim_main["read"], lim_main["fma"], lim_main["int8"]
     machine = dict(info)
     machine.update({
-        "read_gbps": read_gbps,
+        "read_gbps": limits.read_gbps,
         "read_gbps_end": read_end,
         "read_statistic": "best of runs",
         "read_samples_gbps": bw0["samples_gbps"],
@@ -1386,12 +1940,13 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         "read_passes_per_run": bw0["passes"],
         "cpu_busy_before": busy0,
         "cpu_busy_after": busy1,
-        "fma_peak_gflops": peak,
+        "fma_peak_gflops": limits.fma_gflops,
         "fma_statistic": "best of runs",
         "fma_samples_gflops": fma["samples_gflops"],
-        "int8_peak_gops": peak_i8,
+        "int8_peak_gops": limits.int8_gops,
         "int8_statistic": "best of runs" if i8 else None,
         "int8_samples_gops": i8["samples_gops"] if i8 else None,
+        "limits_by_threads": [_limits_json(lim_by_threads[c]) for c in args.threads],
         "capped_baseline": None if capped is None else {
             "isa": capped["isa"], "onednn_isa": capped["onednn_isa"],
             "matmul_impl": capped["matmul_impl"], "error": capped["error"],
@@ -1404,9 +1959,12 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         "machine": machine,
         "settings": {
             "shapes": [s.name for s in shapes], "m": args.m, "schemes": schemes,
-            "dtype": args.dtype, "iters": args.iters, "min_time": args.min_time,
-            "baseline": not args.no_baseline, "baseline_isa": capped_isa,
-            "int8pack_unavailable": int8pack_reason,
+            "skipped_schemes": skipped, "dtype": args.dtype, "threads": args.threads,
+            "quick": bool(args.quick), "iters": args.iters, "min_time": args.min_time,
+            "baseline": not args.no_baseline, "baselines": baseline_keys,
+            "baseline_isa": capped_isa,
+            "int8pack_unavailable": unavailable.get("int8pack"),
+            "int4pack_unavailable": unavailable.get("int4pack"),
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",
         },
         "cases": cases,
@@ -1421,6 +1979,9 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+    if args.plot:
+        write_plot(doc, args.plot)
+        print(f"roofline picture: {args.plot}", file=sys.stderr if json_stdout else out)
     return 0
 
 
