@@ -1619,10 +1619,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "%d here)" % torch.get_num_threads())
     p.add_argument("--quick", action="store_true",
                    help="a representative subset in under 2 minutes on a 2-vCPU machine: "
-                        "--shape %s --scheme %s --m %s --min-time %s --threads 1,%d; any of "
-                        "these given explicitly wins"
+                        "--shape %s --scheme %s --m %s --min-time %s%s; any of these given "
+                        "explicitly wins"
                         % (QUICK["shape"], QUICK["scheme"], QUICK["m"], QUICK["min_time"],
-                           torch.get_num_threads()))
+                           " --threads 1,%d" % torch.get_num_threads()
+                           if torch.get_num_threads() > 1 else ""))
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per case (default: enough for --min-time)")
     p.add_argument("--min-time", type=float, default=None, metavar="SEC",
