@@ -74,6 +74,7 @@ def _check_common(doc):
     for c in cases:
         assert c["dtype"] == "bf16" and c["shape"] == "custom-8x2-256x128"
         assert c["threads"] == 1 and c["tier"] == cpumoe.isa() and c["thread_scaling"] == []
+        assert c["moe_comp_method"] == {"bf16": 0, "int8": 1}[c["scheme"]]
         _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], m["int8_peak_gops"])
         assert c["ms"] > 0 and 0 < c["ms_min"] <= c["ms"] and c["iters"] == 2
         assert 1 <= c["distinct_experts"] <= min(8, 2 * c["M"])

@@ -497,9 +497,9 @@ def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None) -> dict:
 @dataclass
 class SchemeWeights:
     """What a scheme's weight generator returns: the packed ``w1``/``w2`` cpumoe reads (None
-    when not packing), the other keyword arguments of :func:`cpumoe.fused_experts`
-    (``moe_comp_method``, scales, zeros, block size) and what the scheme's torch baseline
-    reads (``torch_data``)."""
+    when not packing), the other keyword arguments of :func:`cpumoe.fused_experts` (scales,
+    zeros, block size; ``moe_comp_method`` comes from the :class:`Scheme`) and what the
+    scheme's torch baseline reads (``torch_data``)."""
 
     w1p: Optional[torch.Tensor]
     w2p: Optional[torch.Tensor]
@@ -545,8 +545,7 @@ def _int8_weights(w1, w2, g, pack) -> SchemeWeights:
     q2, s2 = _quantize_experts(w2)
     return SchemeWeights(convert_weight_packed(q1) if pack else None,
                          convert_weight_packed(q2) if pack else None,
-                         {"moe_comp_method": MoeCompMethod.INT8_W8A8, "w1_scale": s1,
-                          "w2_scale": s2}, (q1, s1, q2, s2))
+                         {"w1_scale": s1, "w2_scale": s2}, (q1, s1, q2, s2))
 
 
 def _fp8_weights(w1, w2, g, pack) -> SchemeWeights:
@@ -556,8 +555,7 @@ def _fp8_weights(w1, w2, g, pack) -> SchemeWeights:
     q2, s2 = _quantize_experts(w2, fp8=True)
     return SchemeWeights(convert_weight_packed(q1) if pack else None,
                          convert_weight_packed(q2) if pack else None,
-                         {"moe_comp_method": MoeCompMethod.FP8_W8A16, "w1_scale": s1,
-                          "w2_scale": s2, "block_size": list(FP8_BLOCK)})
+                         {"w1_scale": s1, "w2_scale": s2, "block_size": list(FP8_BLOCK)})
 
 
 def int4_group_size(K: int, N: int) -> int:
@@ -579,7 +577,7 @@ def _int4_weights(w1, w2, g, pack) -> SchemeWeights:
     q1, z1, s1 = _int4_experts(w1, gs, g)
     q2, z2, s2 = _int4_experts(w2, gs, g)
     w1p = w2p = None
-    kwargs: dict = {"moe_comp_method": MoeCompMethod.INT4_W4A8}
+    kwargs: dict = {}
     if pack and hasattr(torch.ops.cpumoe, "convert_weight_packed_scale_zp"):
         w1p, zp1, sp1 = torch.ops.cpumoe.convert_weight_packed_scale_zp(
             *_awq_checkpoint(q1, z1, s1), 0)
@@ -730,7 +728,7 @@ class ExpertWeights:
             _fill_random(self.w2, 1.0 / math.sqrt(N), g)
         made = SCHEMES[self.scheme].make_weights(self.w1, self.w2, g, pack)
         self.w1p, self.w2p = made.w1p, made.w2p
-        self.kwargs = made.kwargs
+        self.kwargs = {"moe_comp_method": SCHEMES[self.scheme].method, **made.kwargs}
         self.torch_data = made.torch_data
 
     def expert_bytes(self) -> int:
@@ -1143,6 +1141,7 @@ def run_case(
     rec = {
         "shape": shape.name, "scheme": scheme, "E": E, "topk": topk, "K": K, "N": N, "M": M,
         "dtype": dname,
+        "moe_comp_method": int(spec.method),
         "threads": threads,
         "tier": _C.active_isa(),
         "ms": sec * 1e3,
