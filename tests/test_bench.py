@@ -214,22 +214,6 @@ def test_model_shapes_and_partial_fp8_blocks():
         rec["distinct_experts"] * (3 * 96 * 160 + 4 * (2 * 2 + 2 * 1)))
 
 
-def test_awq_packing_matches_the_checkpoint_format():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (2, 16, 24), dtype=torch.uint8, generator=g)
-    packed = bench._awq_pack(q)
-    assert packed.dtype == torch.int32 and tuple(packed.shape) == (2, 16, 3)
-    # an AWQ reader takes column j of each group of 8 from bits 4*[0,4,1,5,2,6,3,7][j]
-    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])
-    unpacked = (packed.unsqueeze(-1) >> shifts) & 0xF
-    assert torch.equal(unpacked.reshape(2, 16, 24).to(torch.uint8), q)
-    z = torch.randint(0, 16, (2, 24, 2), dtype=torch.uint8, generator=g)
-    s = torch.rand(2, 24, 2, generator=g).bfloat16()
-    qw, qz, sc = bench._awq_checkpoint(q.transpose(1, 2).contiguous(), z, s)  # q: [E, OC, IC]
-    assert tuple(qw.shape) == (2, 16, 3) and torch.equal(qw, packed)
-    assert tuple(qz.shape) == (2, 2, 3) and tuple(sc.shape) == (2, 2, 24)
-
-
 def test_int4pack_baseline_matches_eager():
     reason = bench.int4pack_unavailable("bf16")
     if reason:
@@ -247,25 +231,47 @@ def test_int4pack_baseline_matches_eager():
     assert w.w1.float().std().item() == pytest.approx(1 / 16, rel=0.25)  # ~1/sqrt(K)
 
 
-def test_int4_scheme_runs_or_says_why_not(tmp_path, fast_limits, capsys):
-    path = tmp_path / "int4.json"
-    rc = bench.main(["--shape", "custom:4,2,256,128", "--scheme", "int4", "--m", "1,3",
-                     "--iters", "2", "--bw-mib", "64", "--threads", "1", "--json", str(path)])
+def test_int4_scheme(tmp_path, fast_limits, capsys):
     reason = bench.scheme_unavailable("int4", "bf16")
-    out = capsys.readouterr().out
-    if reason:  # cpumoe without INT4 W4A8: listed, skipped with the reason
-        assert rc == 1 and reason.startswith("int4 not built yet")
-        assert f"scheme int4 skipped: {reason}" in out
-        return
-    assert rc == 0
+    if reason and reason.startswith("int4 not built yet"):
+        pytest.skip(reason)
+    assert reason is None  # built, so the test layer must match the eager loop
+    path = tmp_path / "int4.json"
+    assert bench.main(["--shape", "custom:4,2,256,160", "--scheme", "int4", "--m", "1,3",
+                       "--iters", "2", "--bw-mib", "64", "--threads", "1",
+                       "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     int4pack = doc["settings"]["int4pack_unavailable"] is None
+    assert doc["machine"]["int8_peak_gops"] > 0  # int4 rows are judged against u8*s8
     for c in doc["cases"]:
-        assert c["scheme"] == "int4" and c["peak_kind"] == "u8s8"
+        assert c["scheme"] == "int4" and c["peak_kind"] == "u8s8" and c["moe_comp_method"] == 3
         assert 0 <= c["rel_diff_vs_baseline"] < 5e-2, c
         if int4pack:
             assert c["int4pack_ms"] > 0 and 0 <= c["rel_diff_vs_int4pack"] < 5e-2, c
-    assert ("vs int4pack" in out) == int4pack
+        # groups of 32 (N = 160): 1/2 byte per weight, per 32 x 32 block 128 bytes of
+        # compensation, per group and output row an fp32 scale and an int8 zero point
+        w1 = 2 * 160 * 256 // 2 + 128 * (2 * 160 // 32) * (256 // 32) + 5 * 2 * 160 * (256 // 32)
+        w2 = 256 * 160 // 2 + 128 * (256 // 32) * (160 // 32) + 5 * 256 * (160 // 32)
+        assert c["weight_bytes"] == pytest.approx(c["distinct_experts"] * (w1 + w2))
+    out = capsys.readouterr().out
+    assert ("vs int4pack = a per-expert loop over torch._weight_int4pack_mm_for_cpu" in out) \
+        == int4pack
+
+
+def test_unavailable_scheme_is_skipped(tmp_path, fast_limits, monkeypatch, capsys):
+    """A scheme cpumoe cannot run (as int4 before its kernels) is listed, skipped, said why."""
+    why = "int4 not built yet: (test)"
+    monkeypatch.setitem(bench._INT4_REASON, torch.bfloat16, why)
+    path = tmp_path / "skip.json"
+    assert bench.main(["--shape", SHAPE, "--scheme", "bf16,int4", "--m", "1", "--iters", "1",
+                       "--bw-mib", "64", "--threads", "1", "--no-baseline",
+                       "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["schemes"] == ["bf16"]
+    assert doc["settings"]["skipped_schemes"] == {"int4": why}
+    assert [c["scheme"] for c in doc["cases"]] == ["bf16"]
+    assert f"scheme int4 skipped: {why}" in capsys.readouterr().out
+    assert bench.main(["--shape", SHAPE, "--scheme", "int4", "--m", "1"]) == 1  # nothing left
 
 
 def test_plot(tmp_path, fast_limits, capsys):

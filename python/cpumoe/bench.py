@@ -68,8 +68,9 @@ import torch.nn.functional as F
 
 from . import _C
 from ._progress import Progress
-from .ops import MoeCompMethod, convert_weight_packed, fused_experts
-from .quant import quantize_fp8_blockwise, quantize_int8_per_channel
+from .ops import MoeCompMethod, convert_weight_packed, convert_weight_packed_scale_zp, fused_experts
+from .quant import quantize_fp8_blockwise, quantize_int4, quantize_int8_per_channel
+from .reference import dequantize_int4, unpack_int4_checkpoint
 
 # ---- shapes ----------------------------------------------------------------------------
 
@@ -508,9 +509,8 @@ class SchemeWeights:
 
 
 # A weight generator: (w1 [E, 2N, K], w2 [E, K, N] random float weights in the activation
-# dtype (uninitialised if the scheme's random_floats is False), generator, pack) ->
-# SchemeWeights. A quantized scheme overwrites w1/w2 with its dequantized weights (what the
-# eager baseline then reads).
+# dtype, generator, pack) -> SchemeWeights. A quantized scheme overwrites w1/w2 with its
+# dequantized weights (what the eager baseline then reads).
 WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], SchemeWeights]
 
 
@@ -525,7 +525,6 @@ class Scheme:
     make_weights: WeightGenerator
     torch_baseline: Optional[str] = None  # key of BASELINES: torch's own path for these weights
     unavailable: Optional[Callable[[torch.dtype], Optional[str]]] = None  # why cpumoe can't run it
-    random_floats: bool = True  # make_weights starts from random float weights
 
     @property
     def float_weights(self) -> bool:
@@ -568,79 +567,46 @@ def int4_group_size(K: int, N: int) -> int:
 
 
 def _int4_weights(w1, w2, g, pack) -> SchemeWeights:
-    """Random AWQ-style int4 weights: nibbles ``q``, per-group zero points ``z`` and scales
-    ``s`` (groups of :func:`int4_group_size` along the input dimension), of about the
-    random weights' spread; w1/w2 become ``(q - z) * s``. With ``pack``, cpumoe gets them
-    as an AWQ checkpoint through ``convert_weight_packed_scale_zp`` (if this build has it)
-    and torch_data holds torch's int4pack tensors (if this torch has them)."""
+    """AWQ int4 of the random weights (:func:`cpumoe.quant.quantize_int4`, groups of
+    :func:`int4_group_size` along the input dimension, scales in the activation dtype),
+    packed with :func:`cpumoe.convert_weight_packed_scale_zp`; torch_data holds torch's
+    int4pack form of the same weights (if this torch has it)."""
     gs = int4_group_size(w1.shape[2], w2.shape[2])
-    q1, z1, s1 = _int4_experts(w1, gs, g)
-    q2, z2, s2 = _int4_experts(w2, gs, g)
+    torch_form = pack and int4pack_unavailable(w1.dtype) is None
+    ck1, t1 = _int4_experts(w1, gs, torch_form)
+    ck2, t2 = _int4_experts(w2, gs, torch_form)
     w1p = w2p = None
     kwargs: dict = {}
-    if pack and hasattr(torch.ops.cpumoe, "convert_weight_packed_scale_zp"):
-        w1p, zp1, sp1 = torch.ops.cpumoe.convert_weight_packed_scale_zp(
-            *_awq_checkpoint(q1, z1, s1), 0)
-        w2p, zp2, sp2 = torch.ops.cpumoe.convert_weight_packed_scale_zp(
-            *_awq_checkpoint(q2, z2, s2), 0)
-        kwargs.update(w1_scale=sp1, w2_scale=sp2, w1_zero=zp1, w2_zero=zp2)
-    torch_data = None
-    if pack and int4pack_unavailable(w1.dtype) is None:
-        torch_data = (*_int4pack_tensors(q1, z1, s1), *_int4pack_tensors(q2, z2, s2), gs)
-    return SchemeWeights(w1p, w2p, kwargs, torch_data)
+    if pack:
+        w1p, z1, s1 = convert_weight_packed_scale_zp(*ck1, 0)
+        w2p, z2, s2 = convert_weight_packed_scale_zp(*ck2, 0)
+        kwargs = {"w1_scale": s1, "w2_scale": s2, "w1_zero": z1, "w2_zero": z2}
+    return SchemeWeights(w1p, w2p, kwargs, (*t1, *t2, gs) if torch_form else None)
 
 
-def _int4_experts(w: torch.Tensor, gs: int, g: torch.Generator):
-    """``(q uint8 [E, OC, IC] in 0..15, z uint8 [E, OC, G] in 5..11, s [E, OC, G] in w's
-    dtype)``, with ``std((q - z) * s)`` near ``1/sqrt(IC)`` (the spread of the random float
-    weights); ``w`` is overwritten with ``(q - z) * s``. One expert at a time (small
-    fp32 temporaries)."""
+def _int4_experts(w: torch.Tensor, gs: int, torch_form: bool):
+    """Per expert of ``w [E, OC, IC]``: the AWQ checkpoint ``(qweight, qzeros, scales)``
+    (stacked over E) and, with ``torch_form``, torch's int4pack tensors of the same
+    weights (see :func:`baseline_int4pack_moe`), else None; ``w`` is overwritten with the
+    dequantized weights. One expert at a time, so the temporaries stay small."""
     E, OC, IC = w.shape
     G = IC // gs
-    q = torch.empty(E, OC, IC, dtype=torch.uint8)
-    _fill_from_pool(q, torch.randint(0, 16, (min(1 << 24, q.numel()),), dtype=torch.uint8,
-                                     generator=g), g)
-    z = torch.randint(5, 12, (E, OC, G), dtype=torch.uint8, generator=g)
-    # std(q - z) ~ 5 for uniform q and z in these ranges
-    s = ((torch.rand(E, OC, G, generator=g) + 0.5) / (5 * math.sqrt(IC))).to(w.dtype)
+    qweight = torch.empty(E, IC, OC // 8, dtype=torch.int32)
+    qzeros = torch.empty(E, G, OC // 8, dtype=torch.int32)
+    scales = torch.empty(E, G, OC, dtype=w.dtype)
+    packed = torch.empty(E, OC, IC // 2, dtype=torch.uint8) if torch_form else None
+    scale_zero = torch.empty(E, G, OC, 2, dtype=w.dtype) if torch_form else None
     for e in range(E):
-        deq = (q[e].view(OC, G, gs).float() - z[e].unsqueeze(-1).float()) * s[e].unsqueeze(-1).float()
-        w[e].copy_(deq.view(OC, IC))
-    return q, z, s
-
-
-# nibble i (bits 4i..4i+3) of an AWQ int32 holds column _AWQ_ORDER[i] of its group of 8
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def _awq_pack(v: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles ``[R, C]`` (C % 8 == 0) -> AWQ int32 ``[R, C / 8]``."""
-    v = v.to(torch.int64)
-    out = torch.zeros(*v.shape[:-1], v.shape[-1] // 8, dtype=torch.int64)
-    for i, col in enumerate(_AWQ_ORDER):
-        out |= v[..., col::8] << (4 * i)
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
-
-
-def _awq_checkpoint(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
-    """What an AWQ checkpoint holds for ``q [E, OC, IC]``, ``z``/``s [E, OC, G]``:
-    ``qweight`` int32 ``[E, IC, OC/8]``, ``qzeros`` int32 ``[E, G, OC/8]``, ``scales``
-    ``[E, G, OC]`` (REFERENCE.md §7.4, method 0)."""
-    qweight = torch.stack([_awq_pack(q[e].t()) for e in range(q.shape[0])])
-    qzeros = torch.stack([_awq_pack(z[e].t()) for e in range(z.shape[0])])
-    return qweight, qzeros, s.transpose(1, 2).contiguous()
-
-
-def _int4pack_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
-    """torch's int4pack form of ``(q - z) * s``: per expert
-    ``torch._convert_weight_to_int4pack_for_cpu(q int32 [OC, IC], 2)`` -> uint8
-    ``[E, OC, IC/2]``, and scales-and-zeros ``[E, G, OC, 2]`` in ``s``'s dtype, where torch
-    dequantizes ``(q - 8) * scale + zero``, so ``zero = (8 - z) * s``."""
-    packed = torch.stack([torch._convert_weight_to_int4pack_for_cpu(q[e].to(torch.int32), 2)
-                          for e in range(q.shape[0])])
-    sf = s.float()
-    sz = torch.stack([sf, (8 - z.float()) * sf], dim=-1).transpose(1, 2).contiguous()
-    return packed, sz.to(s.dtype)
+        ck = quantize_int4(w[e], gs, "awq", scales_dtype=w.dtype)
+        for dst, src in zip((qweight, qzeros, scales), ck):
+            dst[e].copy_(src)
+        q, z, s = unpack_int4_checkpoint(*ck, 0)  # [OC, IC], [OC, G], [OC, G]
+        w[e].copy_(dequantize_int4(q, z, s))
+        if torch_form:
+            # torch dequantizes (q - 8) * scale + zero, so zero = (8 - z) * scale
+            packed[e].copy_(torch._convert_weight_to_int4pack_for_cpu(q, 2))
+            scale_zero[e].copy_(torch.stack([s, (8 - z) * s], dim=-1).transpose(0, 1))
+    return (qweight, qzeros, scales), ((packed, scale_zero) if torch_form else None)
 
 
 def _int4_unavailable(dtype: torch.dtype) -> Optional[str]:
@@ -652,7 +618,7 @@ def _int4_unavailable(dtype: torch.dtype) -> Optional[str]:
         reason = ("int4 not built yet: this cpumoe has no "
                   "torch.ops.cpumoe.convert_weight_packed_scale_zp")
     else:
-        try:
+        try:  # a tiny layer against the eager loop over its dequantized weights
             shape = Shape("int4-check", E=4, topk=2, K=256, N=128)
             w = ExpertWeights(shape, dtype, seed=1, scheme="int4")
             g = torch.Generator().manual_seed(1)
@@ -663,7 +629,7 @@ def _int4_unavailable(dtype: torch.dtype) -> Optional[str]:
             diff = _rel_diff(out, baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids))
             reason = None if diff < 5e-2 else (
                 f"int4: cpumoe differs from the eager loop over the dequantized weights by "
-                f"{diff:.1e} (relative L2) on a test layer; check bench._awq_checkpoint")
+                f"{diff:.1e} (relative L2) on a test layer")
         except Exception as e:  # the op rejects moe_comp_method=3 (or the packer fails)
             reason = f"int4 not built yet: {type(e).__name__}: {str(e).splitlines()[0]}"
     _INT4_REASON[dtype] = reason
@@ -683,7 +649,7 @@ SCHEMES: Dict[str, Scheme] = {s.name: s for s in (
            "128x128 block scales", "fp32_fma", _fp8_weights),
     Scheme("int4", MoeCompMethod.INT4_W4A8, "INT4 W4A8 (moe_comp_method=3): AWQ int4 weights, "
            "groups of 128 (64 or 32 where K or N needs it), activations quantized per token",
-           "u8s8", _int4_weights, "int4pack", _int4_unavailable, random_floats=False),
+           "u8s8", _int4_weights, "int4pack", _int4_unavailable),
 )}
 
 
@@ -723,9 +689,8 @@ class ExpertWeights:
         E, K, N = shape.E, shape.K, shape.N
         self.w1 = torch.empty(E, 2 * N, K, dtype=self.dtype)
         self.w2 = torch.empty(E, K, N, dtype=self.dtype)
-        if SCHEMES[self.scheme].random_floats:
-            _fill_random(self.w1, 1.0 / math.sqrt(K), g)
-            _fill_random(self.w2, 1.0 / math.sqrt(N), g)
+        _fill_random(self.w1, 1.0 / math.sqrt(K), g)
+        _fill_random(self.w2, 1.0 / math.sqrt(N), g)
         made = SCHEMES[self.scheme].make_weights(self.w1, self.w2, g, pack)
         self.w1p, self.w2p = made.w1p, made.w2p
         self.kwargs = {"moe_comp_method": SCHEMES[self.scheme].method, **made.kwargs}
@@ -763,14 +728,9 @@ def _quantize_experts(w: torch.Tensor, fp8: bool = False):
 
 
 def _fill_random(t: torch.Tensor, std: float, g: torch.Generator, pool_elems: int = 1 << 24) -> None:
-    pool = torch.empty(min(pool_elems, t.numel()), dtype=t.dtype).normal_(0.0, std, generator=g)
-    _fill_from_pool(t, pool, g)
-
-
-def _fill_from_pool(t: torch.Tensor, pool: torch.Tensor, g: torch.Generator) -> None:
-    """Fills ``t`` with runs of ``pool`` (1-D, ``t``'s dtype) copied from random offsets."""
     flat = t.view(-1)
     n = flat.numel()
+    pool = torch.empty(min(pool_elems, n), dtype=t.dtype).normal_(0.0, std, generator=g)
     P = pool.numel()
     pos = 0
     while pos < n:
