@@ -175,7 +175,7 @@ def test_quick_preset_and_lists():
     n = torch.get_num_threads()
     q = parse(["--quick"])
     assert (q.shape, q.scheme, q.m, q.min_time) == (
-        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4"], [1, 64, 512], 0.5)
+        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4"], [1, 64, 512], 0.3)
     assert q.threads == ([n, 1] if n > 1 else [n]) and q.quick
     # explicit options win over the preset
     q = parse(["--quick", "--m", "2", "--threads", "1", "--scheme", "int8", "--min-time", "3"])

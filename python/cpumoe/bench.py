@@ -1552,7 +1552,7 @@ def write_plot(doc: dict, path: str):
 # --quick: a representative subset that finishes in under 2 minutes on the 2-vCPU dev VM:
 # one shape, every scheme, decode / mid / prefill M, shorter timing, 1-thread scaling.
 QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
-         "min_time": 0.5}
+         "min_time": 0.3}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
