@@ -6,6 +6,7 @@ Fast: the limit probes are shortened (the figures are not judged, only their san
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -164,6 +165,18 @@ def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
     header = next(ln for ln in out.splitlines() if ln.startswith("shape"))
     assert header.split()[-3:] == ["ms", "1->2t", "others"] and "1t" in header.split()
     assert "at 1 thread:" in out and "bit-identical in every case" in out
+    # benchmarks/perf_tables.py (the tables of docs/PERFORMANCE.md) reads the same document
+    spec = importlib.util.spec_from_file_location(
+        "perf_tables", os.path.join(REPO, "benchmarks", "perf_tables.py"))
+    perf_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_tables)
+    md = perf_tables.tables(doc).splitlines()
+    assert "| shape | scheme | M=4 |" in md
+    at = md.index("**1 -> 2 threads** (cpumoe's time at 1 / its time at 2; `!`: output not "
+                  "bit-identical)")
+    assert md[at + 4] == f"| custom-8x2-256x128 | bf16 | {s['scaling']:.2f} |"
+    assert f"| custom-8x2-256x128 | bf16 | {100 * c['bound_fraction']:.0f}b |" in md \
+        or f"| custom-8x2-256x128 | bf16 | {100 * c['bound_fraction']:.0f}c |" in md
 
 
 def test_quick_preset_and_lists():
