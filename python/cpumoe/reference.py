@@ -101,14 +101,22 @@ def expert_mlp_int8(
 ) -> torch.Tensor:
     """One INT8 W8A8 expert on rows x [T, K] (16-bit): int8 w1 [2N, K], w2 [K, N] (unpacked)
     with per output channel scales; both GEMM inputs quantized per row. Returns fp32 [T, K]."""
+    return _row_quantized_expert(x, lambda q, s: int8_linear(q, s, w1, w1_scale),
+                                 lambda q, s: int8_linear(q, s, w2, w2_scale), b1, b2, alpha,
+                                 limit)
+
+
+def _row_quantized_expert(x, linear1, linear2, b1, b2, alpha, limit) -> torch.Tensor:
+    """The expert MLP of the schemes with int8 activations (INT8 W8A8, INT4 W4A8): each GEMM
+    input row quantized (quantize_rows_int8), then linear(q, row_scale) -> fp32."""
     q, s = quantize_rows_int8(x.float())
-    h = int8_linear(q, s, w1, w1_scale)
+    h = linear1(q, s)
     if b1 is not None:
         h = h + b1.float()
     a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
     a = a.to(x.dtype).float()
     q2, s2 = quantize_rows_int8(a)
-    y = int8_linear(q2, s2, w2, w2_scale)
+    y = linear2(q2, s2)
     if b2 is not None:
         y = y + b2.float()
     return y
@@ -235,17 +243,9 @@ def expert_mlp_int4(x, w1, z1, s1, w2, z2, s2, b1=None, b2=None, alpha=None, lim
     """One INT4 W4A8 expert on rows x [T, K] (16-bit): nibbles w1 [2N, K], w2 [K, N] with
     zero points and scales [.., G] (as :func:`unpack_int4_checkpoint` gives them); both
     GEMM inputs quantized per row like INT8. Returns fp32 [T, K]."""
-    q, s = quantize_rows_int8(x.float())
-    h = int4_linear(q, s, w1, z1, s1)
-    if b1 is not None:
-        h = h + b1.float()
-    a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
-    a = a.to(x.dtype).float()
-    q2, sa2 = quantize_rows_int8(a)
-    y = int4_linear(q2, sa2, w2, z2, s2)
-    if b2 is not None:
-        y = y + b2.float()
-    return y
+    return _row_quantized_expert(x, lambda q, s: int4_linear(q, s, w1, z1, s1),
+                                 lambda q, s: int4_linear(q, s, w2, z2, s2), b1, b2, alpha,
+                                 limit)
 
 
 def fused_experts(
