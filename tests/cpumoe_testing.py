@@ -124,6 +124,22 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return cpumoe.convert_weight_packed(w)
 
 
+DROP = object()  # call_fused(args, name=DROP) leaves the argument out
+
+
+def call_fused(args: dict, **over) -> torch.Tensor:
+    """cpumoe.fused_experts on a dict of valid arguments, with `over` replacing (or, as
+    DROP, removing) some of them: the error tests' way to vary one argument at a time."""
+    args = {k: v for k, v in {**args, **over}.items() if v is not DROP}
+    return cpumoe.fused_experts(args.pop("hidden_states"), args.pop("w1"), args.pop("w2"),
+                                args.pop("topk_weights"), args.pop("topk_ids"), **args)
+
+
+def raises(pattern):
+    """pytest.raises(RuntimeError) whose message matches `pattern`."""
+    return pytest.raises(RuntimeError, match=pattern)
+
+
 def run_fused(x, w1, w2, tw, ti, *, is_vnni: bool, **kw) -> torch.Tensor:
     """Calls the op with unpacked weights w1/w2: packs them first when is_vnni, else
     lets the op pack them per call."""

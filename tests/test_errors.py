@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cpumoe
-from cpumoe_testing import make_bias, make_routing, make_weights, pack
+from cpumoe_testing import make_bias, make_routing, make_weights, pack, raises
 
 M, E, TOPK, N, K = 4, 8, 2, 32, 64
 BF16 = torch.bfloat16
@@ -37,10 +37,6 @@ def fused(**over):
     args.update(over)
     return cpumoe.fused_experts(args.pop("hidden_states"), args.pop("w1"), args.pop("w2"),
                                 args.pop("topk_weights"), args.pop("topk_ids"), **args)
-
-
-def raises(pattern):
-    return pytest.raises(RuntimeError, match=pattern)
 
 
 def test_valid_arguments_pass():

@@ -23,11 +23,13 @@ import torch
 import cpumoe
 from cpumoe import quant, reference
 from cpumoe_testing import (
+    DROP,
     DTYPES,
     FP8,
     FP8_DTYPE,
     SUPPORTED_ISAS,
     assert_fp8_close,
+    call_fused,
     e4m3_value,
     fp8_exact_reference,
     fp8_from_codes,
@@ -40,6 +42,7 @@ from cpumoe_testing import (
     make_routing,
     make_weights,
     pack,
+    raises,
     run_fused_fp8,
     use_isa,
 )
@@ -882,19 +885,8 @@ def fp8_valid():
                 moe_comp_method=FP8, w1_scale=s1, w2_scale=s2, block_size=list(BLOCK_))
 
 
-_DROP = object()  # fused_fp8(name=_DROP) leaves the argument out
-
-
 def fused_fp8(**over):
-    args = fp8_valid()
-    args.update(over)
-    args = {k: v for k, v in args.items() if v is not _DROP}
-    return cpumoe.fused_experts(args.pop("hidden_states"), args.pop("w1"), args.pop("w2"),
-                                args.pop("topk_weights"), args.pop("topk_ids"), **args)
-
-
-def raises(pattern):
-    return pytest.raises(RuntimeError, match=pattern)
+    return call_fused(fp8_valid(), **over)
 
 
 def test_errors_baseline_passes():
@@ -903,7 +895,7 @@ def test_errors_baseline_passes():
 
 def test_missing_block_size():
     with raises(r"fused_experts_cpu: missing block_size for fp8 w8a16"):
-        fused_fp8(block_size=_DROP)
+        fused_fp8(block_size=DROP)
 
 
 @pytest.mark.parametrize("bs", [[128], [64, 128, 1], []], ids=["len1", "len3", "len0"])
@@ -930,7 +922,7 @@ def test_missing_scale(name):
     shape = "8, 4, 2" if name == "w1_scale" else "8, 3, 2"
     with raises(rf"fused_experts_cpu: missing {name} for fp8 w8a16 \(float32 block scales of "
                 rf"shape \[{shape}\]\)"):
-        fused_fp8(**{name: _DROP})
+        fused_fp8(**{name: DROP})
 
 
 @pytest.mark.parametrize("name, shape", [
@@ -1041,13 +1033,13 @@ def test_shared_argument_errors():
 
     def call(a=pw1, b=pw2, sa=s1, sb=s2, block=BLOCK_, **kw):
         kw = dict(use_fp8_w8a16=True, w1_scale=sa, w2_scale=sb, **kw)
-        if block is not _DROP:
+        if block is not DROP:
             kw["block_size"] = list(block)
         return cpumoe.shared_expert(x, a, b, **kw)
 
     assert call().shape == (M_, K_)
     with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
-        call(block=_DROP)
+        call(block=DROP)
     with raises(r"shared_expert_cpu: expect block_size to have 2 values"):
         call(block=[32])
     with raises(r"shared_expert_cpu: block_size\[1\] \(block_k\) = 33 must be even"):

@@ -16,10 +16,12 @@ import torch
 import cpumoe
 from cpumoe import quant, reference
 from cpumoe_testing import (
+    DROP,
     DTYPES,
     INT8,
     SUPPORTED_ISAS,
     assert_int8_close,
+    call_fused,
     int8_exact_reference,
     isa_params,
     kernel_activations,
@@ -28,6 +30,7 @@ from cpumoe_testing import (
     make_int8_weights,
     make_routing,
     pack,
+    raises,
     run_fused_int8,
     use_isa,
 )
@@ -668,20 +671,8 @@ def int8_valid():
                 moe_comp_method=INT8, w1_scale=s1, w2_scale=s2)
 
 
-_DROP = object()  # fused_int8(name=_DROP) leaves the argument out
-
-
 def fused_int8(**over):
-    args = int8_valid()
-    args.update(over)
-    args = {k: v for k, v in args.items() if v is not _DROP}
-    return cpumoe.fused_experts(args.pop("hidden_states"), args.pop("w1"), args.pop("w2"),
-                                args.pop("topk_weights"), args.pop("topk_ids"), **args)
-
-
-
-def raises(pattern):
-    return pytest.raises(RuntimeError, match=pattern)
+    return call_fused(int8_valid(), **over)
 
 
 def test_errors_baseline_passes():
@@ -691,7 +682,7 @@ def test_errors_baseline_passes():
 @pytest.mark.parametrize("name", ["w1_scale", "w2_scale"])
 def test_missing_scale(name):
     with raises(rf"fused_experts_cpu: missing {name} for int8 w8a8"):
-        fused_int8(**{name: _DROP})
+        fused_int8(**{name: DROP})
 
 
 @pytest.mark.parametrize("name, shape", [
