@@ -124,6 +124,23 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return cpumoe.convert_weight_packed(w)
 
 
+def apply_variant(variant: str, x: torch.Tensor, ti: torch.Tensor, E: int, N: int, K: int):
+    """The routing/bias/activation variants of the exact-reference cases of the quantized
+    schemes: "duplicates" (one expert in several slots of a token), "*bias*" (w1/w2
+    biases), "swiglu_bias" (also the clamped swiglu, with x pushed past the clamp).
+    Returns (x, the keyword arguments to add)."""
+    if variant == "duplicates":
+        ti[0] = E - 1
+        ti[1, :2] = 0
+    kw = {}
+    if "bias" in variant:
+        kw["w1_bias"], kw["w2_bias"] = make_bias(E, N, K)
+    if variant == "swiglu_bias":
+        x = (x.float() * 3).to(x.dtype)  # push gate/up values past the clamp at 7
+        kw["alpha"], kw["limit"] = 1.702, 7.0
+    return x, kw
+
+
 DROP = object()  # call_fused(args, name=DROP) leaves the argument out
 
 

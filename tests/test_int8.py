@@ -20,6 +20,7 @@ from cpumoe_testing import (
     DTYPES,
     INT8,
     SUPPORTED_ISAS,
+    apply_variant,
     assert_int8_close,
     call_fused,
     int8_exact_reference,
@@ -171,15 +172,7 @@ def exact_case(case):
     M, E, topk, N, K, dt, style, variant = case
     x, w1, s1, w2, s2, tw, ti = make_case(M, E, topk, N, K, DTYPES[dt], style,
                                           drop_prob=0.25 if variant == "silu_drop" else 0.0)
-    if variant == "duplicates":  # the same expert in several slots of a token
-        ti[0] = E - 1
-        ti[1, :2] = 0
-    kw = {}
-    if "bias" in variant:
-        kw["w1_bias"], kw["w2_bias"] = make_bias(E, N, K)
-    if variant == "swiglu_bias":
-        x = (x.float() * 3).to(x.dtype)  # push gate/up values past the clamp at 7
-        kw["alpha"], kw["limit"] = 1.702, 7.0
+    x, kw = apply_variant(variant, x, ti, E, N, K)
     return (x, w1, s1, w2, s2, tw, ti), kw
 
 
