@@ -35,13 +35,34 @@
 typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, size_t a_stride,
                                   const uint16_t *b_tile, float *c);
 
+/* Cache lines [start, start + 64 lines) that a micro-kernel prefetches while it runs, spread
+ * evenly over its reduction loop: the weights that the calls after it will read. The
+ * pipeline hands each panel of a block an equal share of the next weight chunk, so the
+ * requests trickle out over the whole chunk instead of bursting in the first panel's pass
+ * (a burst fills the core's miss buffers and stalls the loads of the dot products;
+ * measured streaming from DRAM, one thread: 6.7 -> 8.7 GB/s, 430 -> 560 GOP/s).
+ * A hint only: prefetching never faults, and a tier may ignore it. {NULL, 0}: none. */
+typedef struct cm_prefetch {
+  const char *start;
+  size_t lines;
+} cm_prefetch;
+
+/* Prefetch the lines due once `done` of `steps` loop steps are done (*next: lines issued). */
+static inline __attribute__((always_inline)) void cm_prefetch_due(cm_prefetch pf, size_t *next,
+                                                                  size_t done, size_t steps) {
+  for (const size_t due = pf.lines * done / steps; *next < due; ++*next)
+    __builtin_prefetch(pf.start + 64 * *next, 0, 3);
+}
+
 /* INT8 W8A8 tile, exact integer part:
  *   acc[r][n] (+)= sum_{k<kc} A_panel[r][k] * B[k][n]    int32; A u8 [kc/4][a_stride][4],
  *                                                        B s8 VNNI-4 [kc/4][32][4]
  * `accumulate` = 0 starts from zero. Integer sums are exact, so a reduction may be split
- * into chunks (the pipeline does, to reuse each weight chunk across panels in cache). */
+ * into chunks (the pipeline does, to reuse each weight chunk across panels in cache).
+ * `prefetch`: see cm_prefetch. */
 typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, size_t a_stride,
-                                const int8_t *b, int32_t *acc, int accumulate);
+                                const int8_t *b, int32_t *acc, int accumulate,
+                                cm_prefetch prefetch);
 /* C[r][n] = ((float)(acc[r][n] - comp[n]) * a_scale[r]) * w_scale[n]   (fp32, this order);
  * comp = the int32[32] stored after a packed int8 tile. */
 typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *comp,
@@ -160,7 +181,7 @@ const cm_ukernels *cm_active_ukernels(void);
   float cm_absmax__##tier(size_t, const float *, float);                                          \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
   void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
-                                         int32_t *, int);                                         \
+                                         int32_t *, int, cm_prefetch);                            \
   void cm_u8s8_dequant_mrx32__##tier(size_t, const int32_t *, const int8_t *, const float *,      \
                                      const float *, float *);                                     \
   void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *,   \

@@ -23,25 +23,22 @@
 #include "common/ukernels.h"
 
 #define MR 12
-/* one 8 KiB reduction chunk of the pipeline (CM_INT8_KC = 256 k) ahead: while the other
- * panels reuse the current chunk from L1, the next one streams in (the L2 streamer stops at
- * 4 KiB pages); measured better than 4 KiB and 16 KiB for Qwen3 prefill */
-#define CM_PREFETCH_KQUADS 64
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *restrict a, size_t as,
                                                             const int8_t *restrict b,
-                                                            int32_t *restrict acc, int accumulate) {
+                                                            int32_t *restrict acc, int accumulate,
+                                                            cm_prefetch prefetch) {
   __m512i acc0[MR], acc1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
     acc0[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR) : _mm512_setzero_si512();
     acc1[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR + 16) : _mm512_setzero_si512();
   }
+  size_t prefetched = 0;
   for (size_t kq = 0; kq < kc / 4; kq++) {
+    cm_prefetch_due(prefetch, &prefetched, kq + 1, kc / 4);
     const int8_t *bk = b + kq * 128;
-    _mm_prefetch((const char *)(bk + CM_PREFETCH_KQUADS * 128), _MM_HINT_T0);
-    _mm_prefetch((const char *)(bk + CM_PREFETCH_KQUADS * 128 + 64), _MM_HINT_T0);
     const __m512i b0 = _mm512_loadu_si512(bk);
     const __m512i b1 = _mm512_loadu_si512(bk + 64);
     const uint8_t *ak = a + kq * as * 4;
@@ -52,6 +49,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
       acc1[r] = _mm512_dpbusd_epi32(acc1[r], x, b1);
     }
   }
+  cm_prefetch_due(prefetch, &prefetched, 1, 1); /* kc < 4 */
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
     _mm512_storeu_si512(acc + r * CM_NR, acc0[r]);
@@ -60,8 +58,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
 }
 
 void cm_u8s8_gemm_s32acc_mrx32__avx512(size_t mr, size_t kc, const uint8_t *a, size_t as,
-                                       const int8_t *b, int32_t *acc, int accumulate) {
-  CM_MR_SWITCH12(gemm_body, kc, a, as, b, acc, accumulate)
+                                       const int8_t *b, int32_t *acc, int accumulate,
+                                       cm_prefetch prefetch) {
+  CM_MR_SWITCH12(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 
 void cm_u8s8_dequant_mrx32__avx512(size_t mr, const int32_t *restrict acc, const int8_t *comp,

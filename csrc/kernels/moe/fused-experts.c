@@ -400,10 +400,18 @@ static void pack_panel_u8(const cm_run *r, const cm_panel *pn, int stage) {
     for (size_t i = 0; i < rows; i++) memcpy(panel + (kq * rows + i) * 4, src[i] + 4 * kq, 4);
 }
 
+/* Panel q's equal share of the `bytes` at `next` (see cm_prefetch, common/ukernels.h). */
+static cm_prefetch prefetch_share(const void *next, size_t bytes, int32_t q, int32_t panels) {
+  const size_t lines = bytes / 64, first = lines * (size_t)q / (size_t)panels;
+  return (cm_prefetch){(const char *)next + 64 * first,
+                       lines * (size_t)(q + 1) / (size_t)panels - first};
+}
+
 /* The reduction is walked in chunks of CM_INT8_KC, each chunk applied to every panel of
  * the block before the next: the chunk of weights comes from memory once and is reused
- * from L1 by the other panels while the hardware fetches the next chunk, so streaming
- * and dot products overlap (integer sums are exact in any order). */
+ * from L1 by the other panels, while each panel's call prefetches its share of the next
+ * chunk, so streaming and dot products overlap (integer sums are exact in any order).
+ * After the last chunk that is the head of the next tile, which the next task reads. */
 static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                             float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -420,8 +428,10 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
-      r->uk->gemm_u8s8((size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows,
-                       (size_t)pn->rows, w + k0 * CM_NR, acc[q], k0 > 0);
+      r->uk->gemm_u8s8(
+          (size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows, (size_t)pn->rows,
+          w + k0 * CM_NR, acc[q], k0 > 0,
+          prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR, CM_INT8_KC * CM_NR, q, blk->panels));
     }
   }
   for (int32_t q = 0; q < blk->panels; q++) {
@@ -556,7 +566,7 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
         for (size_t b = 0; b < nb; b++) {
           const size_t kb = kb0 + b;
           r->uk->gemm_u8s8(rows, bk, panels + (size_t)pn->first * red + kb * bk * rows, rows,
-                           unpacked + b * bk * CM_NR, acc, 0);
+                           unpacked + b * bk * CM_NR, acc, 0, (cm_prefetch){NULL, 0});
           r->uk->int4_dequant(rows, acc, w.blocks + kb * cm_int4_block_bytes(bk) + 16 * bk,
                               w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);
         }
