@@ -15,6 +15,9 @@
  * with operands in cache, K = 2048).
  * Dequantization is a separate function on the stored tile: with its operands live
  * across the k loop, GCC shuffled the accumulators through the stack (half speed).
+ * Memory: the caller's share of the next weight chunk is prefetched a line at a time across
+ * the k loop (cm_prefetch, common/ukernels.h); streamed from DRAM, one thread, that took the
+ * kernel from 60-70% to ~85% of the peak.
  */
 #include <immintrin.h>
 #include <string.h>
