@@ -47,11 +47,29 @@ typedef struct cm_prefetch {
   size_t lines;
 } cm_prefetch;
 
-/* Prefetch the lines due once `done` of `steps` loop steps are done (*next: lines issued). */
-static inline __attribute__((always_inline)) void cm_prefetch_due(cm_prefetch pf, size_t *next,
-                                                                  size_t done, size_t steps) {
-  for (const size_t due = pf.lines * done / steps; *next < due; ++*next)
-    __builtin_prefetch(pf.start + 64 * *next, 0, 3);
+/* A spread in progress: the next line to request, the end, and the credit toward the next
+ * line. Each loop step earns `lines` credit and a line costs `steps`, so `steps` calls of
+ * cm_prefetch_step request exactly `lines` lines, evenly, with no division in the loop. */
+typedef struct cm_prefetch_cursor {
+  const char *next, *end;
+  size_t credit;
+} cm_prefetch_cursor;
+
+static inline __attribute__((always_inline)) cm_prefetch_cursor cm_prefetch_begin(cm_prefetch pf) {
+  return (cm_prefetch_cursor){pf.start, pf.start + 64 * pf.lines, 0};
+}
+
+static inline __attribute__((always_inline)) void cm_prefetch_step(cm_prefetch_cursor *c,
+                                                                   size_t lines, size_t steps) {
+  for (c->credit += lines; c->credit >= steps && c->next < c->end; c->credit -= steps) {
+    __builtin_prefetch(c->next, 0, 3);
+    c->next += 64;
+  }
+}
+
+/* Requests what is left (a loop that ran fewer steps than planned, e.g. kc < 4). */
+static inline __attribute__((always_inline)) void cm_prefetch_finish(cm_prefetch_cursor *c) {
+  for (; c->next < c->end; c->next += 64) __builtin_prefetch(c->next, 0, 3);
 }
 
 /* INT8 W8A8 tile, exact integer part:

@@ -33,16 +33,15 @@ static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
 /* 8 columns [col0, col0 + 8) over the chunk */
 static inline __attribute__((always_inline)) void gemm_cols8(
     const int mr, size_t kc, const uint8_t *restrict a, size_t as, const int8_t *restrict b,
-    int32_t *restrict acc, int accumulate, int col0, cm_prefetch prefetch, size_t *prefetched) {
+    int32_t *restrict acc, int accumulate, int col0, cm_prefetch_cursor *pf, size_t pf_lines) {
   __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
     acc0[r] = _mm256_setzero_si256();
     acc1[r] = _mm256_setzero_si256();
   }
-  const size_t steps = CM_NR / 8 * (kc / 4), done = (size_t)col0 / 8 * (kc / 4);
   for (size_t kq = 0; kq < kc / 4; kq++) {
-    cm_prefetch_due(prefetch, prefetched, done + kq + 1, steps);
+    cm_prefetch_step(pf, pf_lines, CM_NR / 8 * (kc / 4));
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
     const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
     const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
@@ -68,10 +67,10 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             const uint8_t *a, size_t as,
                                                             const int8_t *b, int32_t *acc,
                                                             int accumulate, cm_prefetch prefetch) {
-  size_t prefetched = 0; /* the prefetch share is spread over the four column passes */
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over the four passes */
   for (int col0 = 0; col0 < CM_NR; col0 += 8)
-    gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0, prefetch, &prefetched);
-  cm_prefetch_due(prefetch, &prefetched, 1, 1); /* kc < 4 */
+    gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0, &pf, prefetch.lines);
+  cm_prefetch_finish(&pf);
 }
 
 void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,

@@ -38,9 +38,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     acc0[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR) : _mm512_setzero_si512();
     acc1[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR + 16) : _mm512_setzero_si512();
   }
-  size_t prefetched = 0;
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   for (size_t kq = 0; kq < kc / 4; kq++) {
-    cm_prefetch_due(prefetch, &prefetched, kq + 1, kc / 4);
+    cm_prefetch_step(&pf, prefetch.lines, kc / 4);
     const int8_t *bk = b + kq * 128;
     const __m512i b0 = _mm512_loadu_si512(bk);
     const __m512i b1 = _mm512_loadu_si512(bk + 64);
@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
       acc1[r] = _mm512_dpbusd_epi32(acc1[r], x, b1);
     }
   }
-  cm_prefetch_due(prefetch, &prefetched, 1, 1); /* kc < 4 */
+  cm_prefetch_finish(&pf);
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) {
     _mm512_storeu_si512(acc + r * CM_NR, acc0[r]);
