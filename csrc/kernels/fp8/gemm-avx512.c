@@ -41,6 +41,12 @@
 #include "common/ukernels.h"
 
 #define MR CM_TILE_MR_AVX512
+/* Decode prefetch, bytes of weights ahead: prefetcht0 1 KiB and prefetcht1 8 KiB, 5-9%
+ * faster than the single prefetcht0 4 KiB ahead used before (Qwen3 M=1, one process,
+ * rotating order, 3 x 40 calls each: medians 3.69-3.86 vs 3.98-4.13 ms; 2+8, 4+12, 1+6,
+ * 1+12 and 0.5+8 KiB within a few % of it). */
+#define CM_FP8_PREFETCH_L1_BYTES 1024
+#define CM_FP8_PREFETCH_L2_BYTES 8192
 
 /* 32 bytes (16 columns x 2 k) -> fp32 even-k and odd-k vectors, times 2^-8 */
 static inline __attribute__((always_inline)) void decode_pair(__m256i bytes, __m512 *even,
@@ -122,7 +128,9 @@ static inline __attribute__((always_inline)) int gemm_fast(const int mr, size_t 
   __m512i track = _mm512_set1_epi8(-1);
   for (size_t kp = 0; kp < kc / 2; kp++) {
     const uint8_t *bk = b + kp * 64;
-    _mm_prefetch((const char *)(bk + 4096), _MM_HINT_T0); /* 4 KiB ahead, as bf16 */
+    /* near lines into L1, far ones into L2 (see CM_FP8_PREFETCH_L1_BYTES) */
+    _mm_prefetch((const char *)(bk + CM_FP8_PREFETCH_L1_BYTES), _MM_HINT_T0);
+    _mm_prefetch((const char *)(bk + CM_FP8_PREFETCH_L2_BYTES), _MM_HINT_T1);
     const __m512i raw = _mm512_loadu_si512(bk);
     track = nan_track(track, raw);
     __m512 e0, o0, e1, o1;
