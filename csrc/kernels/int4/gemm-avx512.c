@@ -28,13 +28,12 @@
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
-/* Bytes of packed weights requested ahead (the L2 streamer stops at 4 KiB pages). The
- * unpack path: one prefetcht0 4 KiB ahead (Qwen3 decode, int8/int4 time ratio in one
- * process: 1.43-1.45x at 2 KiB, 1.55-1.56x at 4 KiB, 1.57x at 8 KiB; 1 KiB clearly worse).
- * The decode GEMM: prefetcht0 2 KiB and prefetcht1 8 KiB ahead, 5-7% faster than the single
- * 4 KiB prefetcht0 (Qwen3 M=1, one process, rotating order, 3 x 40 calls each: medians
- * 2.15-2.18 vs 2.20-2.32 ms); 4+12 and 2+16 KiB did as well, T1 alone at 8 or 16 KiB not. */
-#define CM_INT4_PREFETCH_BYTES 4096
+/* Decode GEMM, bytes of packed weights requested ahead (the L2 streamer stops at 4 KiB
+ * pages): prefetcht0 2 KiB and prefetcht1 8 KiB ahead. Earlier a single prefetcht0: 4 KiB
+ * was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x at 2 KiB, 1.55-1.56x at
+ * 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it (Qwen3 M=1, one process,
+ * rotating order, 3 x 40 calls each: medians 2.15-2.18 vs 2.20-2.32 ms); 4+12 and 2+16 KiB
+ * did as well, prefetcht1 alone at 8 or 16 KiB not. */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
 #define CM_INT4_PREFETCH_L2_BYTES 8192
 
@@ -140,8 +139,7 @@ void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
     zero_lanes(w->zeros + (kb / w->group_blocks) * CM_NR, &zlo, &zhi);
     int8_t *out = dst + b * bk * CM_NR;
     for (size_t kq = 0; kq < bk / 4; kq++) {
-      _mm_prefetch((const char *)(block + kq * 64 + CM_INT4_PREFETCH_BYTES), _MM_HINT_T0);
-      __m512i wlo, whi;
+      __m512i wlo, whi; /* prefetched by the pipeline's GEMM calls (moe/fused-experts.c) */
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
       _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
       _mm512_storeu_si512(out + kq * 128 + 64,
