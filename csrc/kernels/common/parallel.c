@@ -27,9 +27,11 @@ static void drain_queue(void *arg, int64_t worker) {
   task_queue *q = (task_queue *)arg;
   for (;;) {
     const int64_t t = (int64_t)atomic_fetch_add_explicit(&q->next, 1, memory_order_relaxed);
-    if (t >= q->n_tasks) return;
+    if (t >= q->n_tasks) break;
     q->fn(q->ctx, t);
   }
+  /* orders the worker's streaming stores (bias_scale_stream) before the stage ends */
+  atomic_thread_fence(memory_order_seq_cst);
 }
 
 void cm_parallel_tasks(const cpumoe_runner *runner, int64_t n_tasks, cm_task_fn fn, void *ctx) {

@@ -149,6 +149,11 @@ typedef void (*cm_round_fn)(size_t n, float *v);
 typedef void (*cm_axpy_fn)(size_t n, float a, const float *x, float *y);
 /* y[i] = (c[i] + bias[i]) * g, or c[i] * g without bias */
 typedef void (*cm_bias_scale_fn)(size_t n, const float *c, const float *bias, float g, float *y);
+/* bias_scale_stream: the same values, with y written by streaming stores where the tier has
+ * them (y 64-byte aligned, n a multiple of 16; otherwise plain stores): for an output that
+ * only a later stage reads, so that writing it costs no read of its old lines. The task
+ * queue's workers end with a full fence (common/parallel.c), which orders those stores
+ * before the stage's end. */
 /* returns max(m, max_i |x[i]|) */
 typedef float (*cm_absmax_fn)(size_t n, const float *x, float m);
 /* q[i] = 128 + clamp(round_half_even(x[i] * inv_scale), -127, 127) */
@@ -166,6 +171,7 @@ typedef struct cm_ukernels {
   cm_round_fn round_bf16, round_f16;
   cm_axpy_fn axpy;
   cm_bias_scale_fn bias_scale;
+  cm_bias_scale_fn bias_scale_stream;
   cm_gemm_u8s8_fn gemm_u8s8; /* INT8 W8A8 */
   cm_dequant_u8s8_fn dequant_u8s8;
   cm_gemm_fp8_fn gemm_fp8; /* FP8 W8A16 */
@@ -199,6 +205,7 @@ const cm_ukernels *cm_active_ukernels(void);
   void cm_round_f16__##tier(size_t, float *);                                                     \
   void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
   void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);               \
+  void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *);        \
   float cm_absmax__##tier(size_t, const float *, float);                                          \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
   void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \

@@ -16,36 +16,37 @@
 #include "common/ukernels.h"
 #include "dispatch/cpuinfo.h"
 
-#define CM_TABLE(tier, tier_enum, mr_rows, int4_gemm) \
-  {                                                   \
-      .isa = tier_enum,                               \
-      .mr = mr_rows,                                  \
-      .gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier, \
-      .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier,   \
-      .silu_mul = cm_silu_mul__##tier,                \
-      .swiglu = cm_swiglu__##tier,                    \
-      .widen_bf16 = cm_widen_bf16__##tier,            \
-      .widen_f16 = cm_widen_f16__##tier,              \
-      .narrow_bf16 = cm_narrow_bf16__##tier,          \
-      .narrow_f16 = cm_narrow_f16__##tier,            \
-      .round_bf16 = cm_round_bf16__##tier,            \
-      .round_f16 = cm_round_f16__##tier,              \
-      .axpy = cm_axpy__##tier,                        \
-      .bias_scale = cm_bias_scale__##tier,            \
-      .probe_read = cm_probe_read_chunk__##tier,      \
-      .probe_fma = cm_probe_fma_loop__##tier,         \
-      .probe_int8 = cm_probe_int8_loop__##tier,       \
-      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
-      .dequant_u8s8 = cm_u8s8_dequant_mrx32__##tier,  \
-      .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,   \
-      .fp8_to_f32 = cm_fp8_to_f32__##tier,            \
-      .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,  \
-      .fp8_fold = cm_fp8_fold__##tier,                \
-      .gemm_int4 = int4_gemm,                         \
-      .int4_unpack = cm_int4_unpack__##tier,          \
-      .int4_dequant = cm_int4_dequant_mrx32__##tier,  \
-      .absmax = cm_absmax__##tier,                    \
-      .quantize_u8 = cm_quantize_u8__##tier,          \
+#define CM_TABLE(tier, tier_enum, mr_rows, int4_gemm)    \
+  {                                                      \
+      .isa = tier_enum,                                  \
+      .mr = mr_rows,                                     \
+      .gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier,    \
+      .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier,      \
+      .silu_mul = cm_silu_mul__##tier,                   \
+      .swiglu = cm_swiglu__##tier,                       \
+      .widen_bf16 = cm_widen_bf16__##tier,               \
+      .widen_f16 = cm_widen_f16__##tier,                 \
+      .narrow_bf16 = cm_narrow_bf16__##tier,             \
+      .narrow_f16 = cm_narrow_f16__##tier,               \
+      .round_bf16 = cm_round_bf16__##tier,               \
+      .round_f16 = cm_round_f16__##tier,                 \
+      .axpy = cm_axpy__##tier,                           \
+      .bias_scale = cm_bias_scale__##tier,               \
+      .bias_scale_stream = cm_bias_scale_stream__##tier, \
+      .probe_read = cm_probe_read_chunk__##tier,         \
+      .probe_fma = cm_probe_fma_loop__##tier,            \
+      .probe_int8 = cm_probe_int8_loop__##tier,          \
+      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier,    \
+      .dequant_u8s8 = cm_u8s8_dequant_mrx32__##tier,     \
+      .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,      \
+      .fp8_to_f32 = cm_fp8_to_f32__##tier,               \
+      .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,     \
+      .fp8_fold = cm_fp8_fold__##tier,                   \
+      .gemm_int4 = int4_gemm,                            \
+      .int4_unpack = cm_int4_unpack__##tier,             \
+      .int4_dequant = cm_int4_dequant_mrx32__##tier,     \
+      .absmax = cm_absmax__##tier,                       \
+      .quantize_u8 = cm_quantize_u8__##tier,             \
   }
 
 /* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). Only avx512

@@ -702,7 +702,7 @@ static void gemm2_task(void *ctx, int64_t t) {
     const int32_t slot = r->sorted[first + i];
     const float g = r->weights[slot];
     float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
-    r->uk->bias_scale(CM_NR, c + i * CM_NR, bias, g, y);
+    r->uk->bias_scale_stream(CM_NR, c + i * CM_NR, bias, g, y); /* read back by reduce_task */
   }
 }
 
