@@ -1,3 +1,8 @@
+#define _POSIX_C_SOURCE 199309L
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now_s(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 /*
  * Fused MoE pipeline, ISA-agnostic: every kernel is reached through the active
  * tier's cm_ukernels table. See DESIGN.md §1 for the math, docs/FORMATS.md for
@@ -51,6 +56,9 @@
 #define CM_INT8_MIN_AMAX 1e-7f    /* floor of a row's absmax before quantizing (all-zero rows) */
 /* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
  * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
+/* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
+ * so that no such access splits across two lines. */
+#define CM_ALIGNED _Alignas(64)
 #define CM_MAX_TOPK 16384
 #define CM_MAX_DIM (INT64_C(1) << 30)
 
@@ -422,7 +430,7 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
                     (size_t)expert * (size_t)(out_rows * (red + 4)) + (size_t)(row0 * (red + 4));
   const float *w_scale =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
-  int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
+  CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
   for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
     const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
     for (int32_t q = 0; q < blk->panels; q++) {
@@ -466,8 +474,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(expert * n_blocks * k_blocks);
   const int convert = block_rows(r, blk) > CM_FP8_DECODE_MAX_ROWS;
   float col_scale[CM_NR];
-  float decoded[CM_FP8_KC * CM_NR];
-  float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
+  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR];
+  CM_ALIGNED float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   for (int j = 0; j < CM_NR; j++) scale_row[j] = scales + ((row0 + j) / p->block_n) * k_blocks;
   for (int64_t kb = 0; kb < k_blocks; kb++) {
@@ -555,8 +563,8 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
       cq += (size_t)pn->rows * CM_NR;
     }
   } else {
-    int8_t unpacked[CM_INT4_KC * CM_NR];
-    int32_t acc[CM_MR_MAX * CM_NR];
+    CM_ALIGNED int8_t unpacked[CM_INT4_KC * CM_NR];
+    CM_ALIGNED int32_t acc[CM_MR_MAX * CM_NR];
     const size_t chunk = bk < CM_INT4_KC ? CM_INT4_KC / bk : 1;
     for (size_t kb0 = 0; kb0 < k_blocks; kb0 += chunk) {
       const size_t nb = k_blocks - kb0 < chunk ? k_blocks - kb0 : chunk;
@@ -658,7 +666,8 @@ static void gemm1_task(void *ctx, int64_t t) {
    * interleave gate/up. Either way two 32-row weight blocks. */
   const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
   const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
-  float c0[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR], c1[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  CM_ALIGNED float c0[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  CM_ALIGNED float c1[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
   float gate[CM_NR], up[CM_NR];
   r->impl->gemm_block(r, blk, 1, row0, c0);
   r->impl->gemm_block(r, blk, 1, row1, c1);
@@ -692,7 +701,7 @@ static void gemm2_task(void *ctx, int64_t t) {
   const int64_t K = p->K;
   int64_t tile; /* output columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles2, &tile);
-  float c[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  CM_ALIGNED float c[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
   r->impl->gemm_block(r, blk, 2, 32 * tile, c);
   const int64_t expert = r->panels[blk->first_panel].expert;
   const int64_t first = r->panels[blk->first_panel].first;
@@ -710,7 +719,8 @@ static void reduce_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
   const int64_t K = p->K, m = r->m0 + t;
-  float acc[CM_REDUCE_COLS], res[CM_REDUCE_COLS];
+  CM_ALIGNED float acc[CM_REDUCE_COLS];
+  CM_ALIGNED float res[CM_REDUCE_COLS];
   for (int64_t k0 = 0; k0 < K; k0 += CM_REDUCE_COLS) {
     const size_t n = (size_t)(K - k0 < CM_REDUCE_COLS ? K - k0 : CM_REDUCE_COLS);
     memset(acc, 0, n * sizeof(float));
@@ -774,12 +784,14 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
                 (cm_block *)(ws + l.blocks));
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
-    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r);
-    cm_parallel_tasks(runner, n_panels, pack1_task, &r);
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
-    cm_parallel_tasks(runner, n_panels, pack2_task, &r);
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r);
-    cm_parallel_tasks(runner, r.mc, reduce_task, &r);
+    double T[8]; int nt=0; T[nt++]=now_s();
+    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r); T[nt++]=now_s();
+    cm_parallel_tasks(runner, n_panels, pack1_task, &r); T[nt++]=now_s();
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r); T[nt++]=now_s();
+    cm_parallel_tasks(runner, n_panels, pack2_task, &r); T[nt++]=now_s();
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r); T[nt++]=now_s();
+    cm_parallel_tasks(runner, r.mc, reduce_task, &r); T[nt++]=now_s();
+    if(getenv("CPUMOE_PROF")){for(int q=1;q<nt;q++)fprintf(stderr,"%.2f ",(T[q]-T[q-1])*1e3);fprintf(stderr," ms (prep pack1 g1 pack2 g2 red)\n");}
   }
   return CPUMOE_OK;
 }
