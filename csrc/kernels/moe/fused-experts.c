@@ -1,8 +1,3 @@
-#define _POSIX_C_SOURCE 199309L
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-static double now_s(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 /*
  * Fused MoE pipeline, ISA-agnostic: every kernel is reached through the active
  * tier's cm_ukernels table. See DESIGN.md §1 for the math, docs/FORMATS.md for
@@ -784,14 +779,12 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
                 (cm_block *)(ws + l.blocks));
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
-    double T[8]; int nt=0; T[nt++]=now_s();
-    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r); T[nt++]=now_s();
-    cm_parallel_tasks(runner, n_panels, pack1_task, &r); T[nt++]=now_s();
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r); T[nt++]=now_s();
-    cm_parallel_tasks(runner, n_panels, pack2_task, &r); T[nt++]=now_s();
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r); T[nt++]=now_s();
-    cm_parallel_tasks(runner, r.mc, reduce_task, &r); T[nt++]=now_s();
-    if(getenv("CPUMOE_PROF")){for(int q=1;q<nt;q++)fprintf(stderr,"%.2f ",(T[q]-T[q-1])*1e3);fprintf(stderr," ms (prep pack1 g1 pack2 g2 red)\n");}
+    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r);
+    cm_parallel_tasks(runner, n_panels, pack1_task, &r);
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
+    cm_parallel_tasks(runner, n_panels, pack2_task, &r);
+    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r);
+    cm_parallel_tasks(runner, r.mc, reduce_task, &r);
   }
   return CPUMOE_OK;
 }
