@@ -55,16 +55,16 @@ typedef struct cm_prefetch {
  * cm_prefetch_step request exactly `lines` lines, evenly, with no division in the loop. */
 typedef struct cm_prefetch_cursor {
   const char *next, *end;
-  size_t credit;
+  size_t lines, credit;
 } cm_prefetch_cursor;
 
 static inline __attribute__((always_inline)) cm_prefetch_cursor cm_prefetch_begin(cm_prefetch pf) {
-  return (cm_prefetch_cursor){pf.start, pf.start + 64 * pf.lines, 0};
+  return (cm_prefetch_cursor){pf.start, pf.start + 64 * pf.lines, pf.lines, 0};
 }
 
 static inline __attribute__((always_inline)) void cm_prefetch_step(cm_prefetch_cursor *c,
-                                                                   size_t lines, size_t steps) {
-  for (c->credit += lines; c->credit >= steps && c->next < c->end; c->credit -= steps) {
+                                                                   size_t steps) {
+  for (c->credit += c->lines; c->credit >= steps && c->next < c->end; c->credit -= steps) {
     __builtin_prefetch(c->next, 0, 2); /* prefetcht1: see above */
     c->next += 64;
   }

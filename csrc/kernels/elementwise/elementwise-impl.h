@@ -6,13 +6,21 @@
  * gives the same bits.
  *
  * Sizes are small (one C tile row up to one token row); no alignment assumed.
+ * One exception to "generic loops": bias_scale_stream uses AVX intrinsics on the tiers that
+ * have AVX, since no loop compiles to streaming stores.
  */
 #ifndef CM_TIER
 #error "define CM_TIER (scalar, avx2, avx512) before including elementwise-impl.h"
 #endif
 
+#include <stdint.h>
+
 #include "common/numeric.h"
 #include "common/ukernels.h"
+
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 #define CM_CAT_(a, b) a##__##b
 #define CM_CAT(a, b) CM_CAT_(a, b)
@@ -86,6 +94,25 @@ void CM_TIERED(cm_bias_scale)(size_t n, const float *restrict c, const float *re
     for (size_t i = 0; i < n; i++) y[i] = (c[i] + bias[i]) * g;
   else
     for (size_t i = 0; i < n; i++) y[i] = c[i] * g;
+}
+
+/* Streaming stores (vmovntps, 8 floats each) on the tiers built with AVX, for 64-byte aligned
+ * rows of a multiple of 16 floats; otherwise plain bias_scale (contract: common/ukernels.h).
+ * The arithmetic is bias_scale's: an add, then a multiply. */
+void CM_TIERED(cm_bias_scale_stream)(size_t n, const float *restrict c, const float *restrict bias,
+                                     float g, float *restrict y) {
+#ifdef __AVX__
+  if (n % 16 == 0 && (uintptr_t)y % 64 == 0) {
+    const __m256 gv = _mm256_set1_ps(g);
+    for (size_t i = 0; i < n; i += 8) {
+      __m256 v = _mm256_loadu_ps(c + i);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
+      _mm256_stream_ps(y + i, _mm256_mul_ps(v, gv));
+    }
+    return;
+  }
+#endif
+  CM_TIERED(cm_bias_scale)(n, c, bias, g, y);
 }
 
 void CM_TIERED(cm_fp8_fold)(size_t mr, const float *restrict p, const float *restrict scale,

@@ -94,9 +94,8 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
     for (int r = 0; r < mr; r++) acc_lo[r] = start_lo, acc_hi[r] = start_hi;
     const uint8_t *ab = a + b * bk * as;
     for (size_t kq = 0; kq < bk / 4; kq++) {
-      /* near lines into L1, far ones into L2 */
-      _mm_prefetch((const char *)(block + kq * 64 + CM_INT4_PREFETCH_L1_BYTES), _MM_HINT_T0);
-      _mm_prefetch((const char *)(block + kq * 64 + CM_INT4_PREFETCH_L2_BYTES), _MM_HINT_T1);
+      cm_prefetch_ahead__avx512(block + kq * 64, CM_INT4_PREFETCH_L1_BYTES,
+                                CM_INT4_PREFETCH_L2_BYTES, 1);
       __m512i wlo, whi;
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
       const uint8_t *ak = ab + kq * as * 4;

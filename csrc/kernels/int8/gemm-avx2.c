@@ -31,9 +31,11 @@ static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
 }
 
 /* 8 columns [col0, col0 + 8) over the chunk */
-static inline __attribute__((always_inline)) void gemm_cols8(
-    const int mr, size_t kc, const uint8_t *restrict a, size_t as, const int8_t *restrict b,
-    int32_t *restrict acc, int accumulate, int col0, cm_prefetch_cursor *pf, size_t pf_lines) {
+static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_t kc,
+                                                             const uint8_t *restrict a, size_t as,
+                                                             const int8_t *restrict b,
+                                                             int32_t *restrict acc, int accumulate,
+                                                             int col0, cm_prefetch_cursor *pf) {
   __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
@@ -41,7 +43,7 @@ static inline __attribute__((always_inline)) void gemm_cols8(
     acc1[r] = _mm256_setzero_si256();
   }
   for (size_t kq = 0; kq < kc / 4; kq++) {
-    cm_prefetch_step(pf, pf_lines, CM_NR / 8 * (kc / 4));
+    cm_prefetch_step(pf, CM_NR / 8 * (kc / 4));
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
     const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
     const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
@@ -69,7 +71,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             int accumulate, cm_prefetch prefetch) {
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over the four passes */
   for (int col0 = 0; col0 < CM_NR; col0 += 8)
-    gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0, &pf, prefetch.lines);
+    gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0, &pf);
   cm_prefetch_finish(&pf);
 }
 

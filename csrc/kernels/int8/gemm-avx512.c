@@ -46,10 +46,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
   }
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   for (size_t kq = 0; kq < kc / 4; kq++) {
-    cm_prefetch_step(&pf, prefetch.lines, kc / 4);
+    cm_prefetch_step(&pf, kc / 4);
     const int8_t *bk = b + kq * 128;
-    _mm_prefetch((const char *)bk + CM_INT8_PREFETCH_L1_BYTES, _MM_HINT_T0);
-    _mm_prefetch((const char *)bk + CM_INT8_PREFETCH_L1_BYTES + 64, _MM_HINT_T0);
+    cm_prefetch_ahead__avx512(bk, CM_INT8_PREFETCH_L1_BYTES, 0, 2); /* far: the share */
     const __m512i b0 = _mm512_loadu_si512(bk);
     const __m512i b1 = _mm512_loadu_si512(bk + 64);
     const uint8_t *ak = a + kq * as * 4;

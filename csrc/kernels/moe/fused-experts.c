@@ -49,11 +49,11 @@
 #define CM_INT4_DECODE_MAX_ROWS 4 /* blocks up to this many rows expand nibbles in registers */
 #define CM_PACK_COLS 64           /* columns widened per step when packing A panels */
 #define CM_INT8_MIN_AMAX 1e-7f    /* floor of a row's absmax before quantizing (all-zero rows) */
-/* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
- * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
 /* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
  * so that no such access splits across two lines. */
 #define CM_ALIGNED _Alignas(64)
+/* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
+ * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
 #define CM_MAX_TOPK 16384
 #define CM_MAX_DIM (INT64_C(1) << 30)
 
