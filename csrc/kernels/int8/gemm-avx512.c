@@ -18,7 +18,9 @@
  * Memory: the caller's share of the next weight chunk is prefetched a line at a time across
  * the k loop (cm_prefetch, common/ukernels.h); streamed from DRAM, one thread, that took the
  * kernel from 423-434 to 529-571 GOP/s (probe peak 610-700 GOP/s in the same hour). The
- * lines just ahead are requested into L1 as well (CM_INT8_PREFETCH_L1_BYTES).
+ * lines just ahead are requested into L1 as well (CM_INT8_PREFETCH_L1_BYTES). A caller with
+ * nothing to share (CM_PREFETCH_SELF) gets a fixed read-ahead into L2 instead
+ * (CM_INT8_PREFETCH_L2_BYTES).
  */
 #include <immintrin.h>
 #include <string.h>
@@ -32,6 +34,11 @@
  * without (rotating order, distinct routings, 3 x 48 calls each): medians 3.12-3.18 vs
  * 3.29-3.32 ms; M=512 unchanged (median 141.9 vs 141.8 ms); 1 KiB: no gain. */
 #define CM_INT8_PREFETCH_L1_BYTES 2048
+/* Read-ahead into L2 for CM_PREFETCH_SELF: the same lines that a whole-chunk share would
+ * request (8 KiB ahead, 2 per k-quad), without the cursor's bookkeeping. Qwen3 and Mixtral
+ * int8 M=1, one process, rotating order, 3 x 48 (12) calls each: medians 3.08-3.14 vs
+ * 3.23-3.34 ms and 27.6-27.7 vs 30.3-30.5 ms. */
+#define CM_INT8_PREFETCH_L2_BYTES 8192
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *restrict a, size_t as,
@@ -45,10 +52,11 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     acc1[r] = accumulate ? _mm512_loadu_si512(acc + r * CM_NR + 16) : _mm512_setzero_si512();
   }
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
+  const size_t far = prefetch.lines ? 0 : CM_INT8_PREFETCH_L2_BYTES; /* else: the share */
   for (size_t kq = 0; kq < kc / 4; kq++) {
     cm_prefetch_step(&pf, kc / 4);
     const int8_t *bk = b + kq * 128;
-    cm_prefetch_ahead__avx512(bk, CM_INT8_PREFETCH_L1_BYTES, 0, 2); /* far: the share */
+    cm_prefetch_ahead__avx512(bk, CM_INT8_PREFETCH_L1_BYTES, far, 2);
     const __m512i b0 = _mm512_loadu_si512(bk);
     const __m512i b1 = _mm512_loadu_si512(bk + 64);
     const uint8_t *ak = a + kq * as * 4;

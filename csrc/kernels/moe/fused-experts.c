@@ -414,7 +414,8 @@ static cm_prefetch prefetch_share(const void *next, size_t bytes, int32_t q, int
  * the block before the next: the chunk of weights comes from memory once and is reused
  * from L1 by the other panels, while each panel's call prefetches its share of the next
  * chunk, so streaming and dot products overlap (integer sums are exact in any order).
- * After the last chunk that is the head of the next tile, which the next task reads. */
+ * After the last chunk that is the head of the next tile, which the next task reads. A
+ * block of one panel has nothing to share: its calls read ahead on their own. */
 static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                             float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -431,10 +432,11 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
-      r->uk->gemm_u8s8(
-          (size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows, (size_t)pn->rows,
-          w + k0 * CM_NR, acc[q], k0 > 0,
-          prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR, CM_INT8_KC * CM_NR, q, blk->panels));
+      r->uk->gemm_u8s8((size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows,
+                       (size_t)pn->rows, w + k0 * CM_NR, acc[q], k0 > 0,
+                       blk->panels == 1 ? CM_PREFETCH_SELF
+                                        : prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR,
+                                                         CM_INT8_KC * CM_NR, q, blk->panels));
     }
   }
   for (int32_t q = 0; q < blk->panels; q++) {
