@@ -1,7 +1,8 @@
 /*
  * Work distribution inside the core. An op stage is a list of independent tasks
  * 0..n-1; cm_parallel_tasks asks the caller's runner for workers, and each worker
- * pulls the next task index from one atomic counter until none is left. A task's
+ * claims runs of consecutive task indices from one atomic counter until none is left
+ * (a shrinking share of what remains; see parallel.c). A task's
  * result never depends on which worker ran it, so outputs are identical for any
  * thread count.
  */
