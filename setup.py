@@ -62,7 +62,11 @@ setup(
             name="cpumoe._C",
             sources=["csrc/bindings/ops.cpp"],
             include_dirs=[str(INCLUDE)],
-            extra_compile_args=["-O2", "-std=c++20"],
+            # -fopenmp: at::parallel_for (the runner in ops.cpp) is an OpenMP parallel region
+            # compiled into this file; without the flag it runs every worker on the calling
+            # thread. The link resolves libgomp.so.1 to the copy torch has already loaded.
+            extra_compile_args=["-O2", "-std=c++20", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildWithKernels},
