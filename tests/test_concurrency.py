@@ -145,3 +145,18 @@ def test_errors_in_threads_are_their_own():
 
     run_threads(caller)
     assert not problems, problems[:5]
+
+
+def test_workers_run_on_torchs_threads():
+    """At 2 torch threads the op's workers run on 2 OS threads, at 1 on one. (The binding was
+    once built without -fopenmp: at::parallel_for, an OpenMP region compiled into ops.cpp,
+    then ran every worker on the calling thread, so '2 threads' measured one.)"""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpumoe._C.runner_threads(2) == 2
+        assert cpumoe._C.runner_threads(8) == 2
+        torch.set_num_threads(1)
+        assert cpumoe._C.runner_threads(8) == 1
+    finally:
+        torch.set_num_threads(previous)

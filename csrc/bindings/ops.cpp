@@ -6,8 +6,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -661,6 +663,22 @@ double probe_read(const at::Tensor &buffer, int64_t passes) {
   return cpumoe_probe_read(buffer.data_ptr(), buffer.nbytes(), passes, &runner);
 }
 
+// The number of distinct OS threads that torch's runner spreads `workers` workers over: a
+// check that they really run in parallel (without OpenMP in this file's build it is 1).
+int64_t runner_threads(int64_t workers) {
+  TORCH_CHECK(workers >= 1, "runner_threads: at least one worker");
+  std::vector<std::thread::id> ids(static_cast<size_t>(workers));
+  run_on_aten_threads(
+      nullptr, workers,
+      [](void *arg, int64_t w) {
+        (*static_cast<std::vector<std::thread::id> *>(arg))[static_cast<size_t>(w)] =
+            std::this_thread::get_id();
+      },
+      &ids);
+  std::sort(ids.begin(), ids.end());
+  return std::unique(ids.begin(), ids.end()) - ids.begin();
+}
+
 double probe_fma(int64_t iterations) {
   const cpumoe_runner runner = aten_runner();
   return cpumoe_probe_fma(iterations, &runner);
@@ -724,4 +742,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "u8*s8 ops done by `iterations` of the int8 peak loop per thread (VNNI on avx512)");
   m.def("probe_fma", &probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
+  m.def("runner_threads", &runner_threads,
+        "distinct OS threads that torch's runner gives `workers` workers");
 }
