@@ -25,11 +25,12 @@ typedef struct task_queue {
 /* Claims a run of consecutive tasks: a share of what is left, remaining / (2 workers) but at
  * least one, so that the runs shrink toward the end and the workers finish together. Within
  * a run a worker walks adjacent weight tiles, so the kernels' read-ahead past the end of a
- * tile fetches the worker's own next one (Qwen3 M=1, one process, alternating with one task
- * per claim, 3 x 48 calls each: medians int4 1.95-1.97 vs 2.07-2.08 ms, int8 2.61-2.72 vs
- * 2.72-2.84 ms, fp8 3.50-3.71 vs 3.62-3.83 ms, bf16 6.12-6.18 vs 6.26-6.33 ms; int4 M=64
- * 32.7-39.0 vs 34.8-41.4 ms; int8 M=512 90.9-91.7 vs 93.7-95.3 ms; Mixtral int8 M=1 and
- * bf16 M=512 within noise). Returns the first task and sets *count, or -1 if none is left. */
+ * tile fetches the worker's own next one, not one the other worker has already read.
+ * Qwen3, 2 threads, one process alternating with one task per claim, medians of 3 x 48
+ * calls (M=1), 3 x 12 (M=64), 3 x 6 (M=512): M=1 int4 0.93-0.99 vs 1.21-1.26 ms, int8
+ * 1.52-1.56 vs 1.77-1.83 ms, fp8 2.04 vs 2.34-2.36 ms, bf16 3.05-3.21 vs 3.31-3.46 ms;
+ * int4 M=64 21.5-22.2 vs 27.6-28.8 ms; int8 M=512 57.0-63.9 vs 64.9-72.7 ms.
+ * Returns the first task and sets *count, or -1 if none is left. */
 static int64_t claim_run(task_queue *q, int64_t *count) {
   long long first = atomic_load_explicit(&q->next, memory_order_relaxed);
   int64_t n;
