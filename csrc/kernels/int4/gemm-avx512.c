@@ -41,8 +41,9 @@
  * the tile's last group they are the next tile's). Streaming 1 GiB of Qwen3 w1 tiles from
  * DRAM through the kernel, one thread, mr = 1: 13.0-13.1 vs 11.4-12.4 GB/s (plain read
  * 12.6-13.2 GB/s, int8 kernel 12.9-13.9 GB/s, same runs); Qwen3 int4 in one process,
- * alternating, 3 x 48 calls: M=1 medians 1.80-1.84 vs 1.84-1.87 ms, M=4 6.66-6.76 vs
- * 6.90-6.97 ms. */
+ * alternating, 3 x 48 calls, one worker: M=1 medians 1.80-1.84 vs 1.84-1.87 ms, M=4
+ * 6.66-6.76 vs 6.90-6.97 ms; two workers, M=1: 0.96-0.97 vs 0.95-0.99 ms (minima
+ * 0.83-0.86 vs 0.86-0.89 ms). */
 #define CM_INT4_META_GROUPS_AHEAD 4
 
 /* natural 32 columns (c0: 0-15, c1: 16-31) <-> lane order (lo: 0-7|16-23, hi: 8-15|24-31);

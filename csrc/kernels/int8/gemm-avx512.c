@@ -36,8 +36,9 @@
 #define CM_INT8_PREFETCH_L1_BYTES 2048
 /* Read-ahead into L2 for CM_PREFETCH_SELF: the same lines that a whole-chunk share would
  * request (8 KiB ahead, 2 per k-quad), without the cursor's bookkeeping. Qwen3 and Mixtral
- * int8 M=1, one process, rotating order, 3 x 48 (12) calls each: medians 3.08-3.14 vs
- * 3.23-3.34 ms and 27.6-27.7 vs 30.3-30.5 ms. */
+ * int8 M=1, one process, rotating order, 3 x 48 (12) calls each, one worker: medians
+ * 3.08-3.14 vs 3.23-3.34 ms and 27.6-27.7 vs 30.3-30.5 ms; Qwen3, two workers: 1.47-1.49
+ * vs 1.56-1.57 ms. */
 #define CM_INT8_PREFETCH_L2_BYTES 8192
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
