@@ -79,6 +79,7 @@ def _check_common(doc):
         _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], m["int8_peak_gops"])
         assert c["ms"] > 0 and 0 < c["ms_min"] <= c["ms"] and c["iters"] == 2
         assert 1 <= c["distinct_experts"] <= min(8, 2 * c["M"])
+        assert 1 <= c["weight_layers"] <= bench.MAX_WEIGHT_LAYERS
         assert c["flops"] == 2.0 * c["M"] * 2 * 3 * 128 * 256
         bpw = 1 if c["scheme"] == "int8" else 2
         per_expert = 3 * 128 * 256 * bpw + (8 * (2 * 128 + 256) if bpw == 1 else 0)
@@ -314,3 +315,47 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
         bench.main(ARGS + ["--plot", "x.png"])
     assert e.value.code == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_weight_layers_default(monkeypatch):
+    """Enough copies for max(1 GiB, 8 x LLC), at most MAX_WEIGHT_LAYERS and a quarter of the
+    available memory, at least one."""
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 24 << 30)
+    assert bench.default_weight_layers(344_000_000) == 8  # ceil(2400 MiB / 344 MB)
+    assert bench.default_weight_layers(1208 << 20) == 2
+    assert bench.default_weight_layers(4 << 30) == 1
+    assert bench.default_weight_layers(1 << 20) == bench.MAX_WEIGHT_LAYERS
+    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 2 << 30)
+    assert bench.default_weight_layers(200 << 20) == 2  # a quarter of 2 GiB
+    assert bench.default_weight_layers(1 << 30) == 1
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)
+    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: None)
+    assert bench.default_weight_layers(256 << 20) == 4  # 1 GiB
+
+
+def test_weight_layers_cycle(tmp_path, fast_limits, capsys):
+    """--weight-layers N: cpumoe's calls go round N copies (distinct tensors, same values),
+    recorded per case and in the settings; the output is the one-copy output."""
+    doc = _run(tmp_path, ["--weight-layers", "3", "--no-baseline"])
+    assert doc["settings"]["weight_layers"] == 3
+    assert all(c["weight_layers"] == 3 for c in doc["cases"])
+    w = bench.ExpertWeights(bench.parse_shapes(SHAPE)[0], "bf16", scheme="int8")
+    layers = w.layers(3)
+    assert len(layers) == 3 and layers[0][0] is w.w1p
+    assert layers[1][0].data_ptr() != w.w1p.data_ptr()
+    assert torch.equal(layers[2][1], w.w2p)
+    assert torch.equal(layers[2][2]["w1_scale"], w.kwargs["w1_scale"])
+    r = bench.make_routings(1, 4, 8, 2, torch.Generator().manual_seed(1))[0]
+    x = torch.randn(4, 256).bfloat16()
+    outs = [cpumoe.fused_experts(x, a, b, r.topk_weights, r.topk_ids, **kw) for a, b, kw in layers]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert len(w.layers(1)) == 1
+    one = bench.run_case(SHAPE, 4, scheme="int8", weights=w, iters=2, baseline=False,
+                         weight_layers=1)
+    three = bench.run_case(SHAPE, 4, scheme="int8", weights=w, iters=3, baseline=False,
+                           weight_layers=3)
+    assert one["weight_layers"] == 1 and three["weight_layers"] == 3
+    with pytest.raises(SystemExit):
+        bench.main(ARGS + ["--weight-layers", "0"])
+    capsys.readouterr()

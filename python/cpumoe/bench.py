@@ -33,8 +33,9 @@ started with ``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g.
 ``avx512_core_vnni`` to see what the eager code does on a CPU without AVX512-BF16 and AMX.
 
 Routing is decode-realistic: every timed call gets a fresh, pre-generated routing
-(random distinct experts per token, softmax-normalised fp32 weights, int32 ids), so
-expert weights come from DRAM rather than from cache. cpumoe and the baselines see the
+(random distinct experts per token, softmax-normalised fp32 weights, int32 ids), and
+cpumoe's calls cycle through copies of the weights, as through the layers of a model
+(:func:`default_weight_layers`), so expert weights come from DRAM rather than from cache. cpumoe and the baselines see the
 same routings (the subprocess regenerates them from the seed). ``benchmarks/README.md``
 describes the method and the output fields; ``--plot FILE.png`` draws the roofline
 picture (:func:`write_plot`, needs matplotlib).
@@ -52,6 +53,7 @@ import argparse
 import collections
 import gc
 import io
+import itertools
 import json
 import math
 import os
@@ -359,6 +361,24 @@ def default_read_buffer_bytes() -> int:
     if avail:
         size = min(size, max(avail // 4, 64 << 20))
     return size
+
+
+MAX_WEIGHT_LAYERS = 16
+
+
+def default_weight_layers(layer_bytes: int) -> int:
+    """How many copies ("layers") of a case's weights its calls cycle through, so that the
+    weights come from DRAM as in a model with many MoE layers: enough for max(1 GiB, 8 x
+    last-level cache) in all, at most MAX_WEIGHT_LAYERS and a quarter of the available
+    memory, at least 1. With one copy, weights of the order of the LLC partly stay there
+    between calls under random routing (a random working set W in an LLC of C hits about
+    C / W of the time), which flatters the small schemes' decode."""
+    llc = last_level_cache_bytes() or 0
+    layers = -(-max(_GiB, 8 * llc) // max(int(layer_bytes), 1))
+    avail = _mem_available_bytes()
+    if avail:
+        layers = min(layers, avail // 4 // max(int(layer_bytes), 1))
+    return int(max(1, min(layers, MAX_WEIGHT_LAYERS)))
 
 
 def _read_bandwidth_samples(buffer_bytes: Optional[int] = None, runs: int = 5,
@@ -697,6 +717,22 @@ class ExpertWeights:
         self.kwargs = {"moe_comp_method": SCHEMES[self.scheme].method, **made.kwargs}
         self.torch_data = made.torch_data
 
+    def layer_bytes(self) -> int:
+        """Bytes of one copy of everything cpumoe reads (packed weights, scales, zeros)."""
+        return self.expert_bytes() * self.shape.E
+
+    def layers(self, count: int) -> List[tuple]:
+        """``count`` copies of cpumoe's inputs as ``(w1p, w2p, kwargs)``: this object's own
+        tensors first, then clones (made once and kept, see :func:`default_weight_layers`)."""
+        if not hasattr(self, "_layers"):
+            self._layers = [(self.w1p, self.w2p, self.kwargs)]
+        while len(self._layers) < count:
+            self._layers.append((self.w1p.clone(), self.w2p.clone(),
+                                 {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                  for k, v in self.kwargs.items()}))
+        del self._layers[max(count, 1):]
+        return self._layers[:max(count, 1)]
+
     def expert_bytes(self) -> int:
         """Bytes cpumoe reads per expert touched: the packed weights and every per-expert
         tensor passed with them (scales, zero points), over E; e.g. int8 adds an fp32 scale
@@ -1000,6 +1036,7 @@ def run_case(
     scaling_threads: Sequence[int] = (),
     scaling_limits: Optional[Dict[int, Limits]] = None,
     seed: int = 0,
+    weight_layers: Optional[int] = None,
     progress: Optional[Callable[[float, str], None]] = None,
 ) -> dict:
     """Times one (shape, scheme, M) case and returns its JSON record.
@@ -1014,6 +1051,9 @@ def run_case(
     (estimated from the warm-up). The baselines (``baseline``: the eager loop; with
     ``torch_baseline`` also the scheme's torch path, e.g. the ``torch._weight_int8pack_mm``
     loop for int8, where torch has it) use the same routings (a prefix, when slower).
+    cpumoe's calls cycle through ``weight_layers`` copies of the weights (default
+    :func:`default_weight_layers`: weights come from DRAM, as in a model with many layers);
+    the baselines read one copy (which, if anything, favours them).
     ``capped`` is this case's result from :func:`run_capped_baseline`, if any. ``ms`` is
     the median. Fractions and the bound are filled in when ``limits`` (or ``read_gbps`` and
     the scheme's peak: ``fma_peak_gflops`` or ``int8_peak_gops``) are given, else None.
@@ -1046,9 +1086,14 @@ def run_case(
 
     g, x, warm = _case_inputs(shape, M, tdtype, seed)
 
+    if weight_layers is None:
+        weight_layers = default_weight_layers(weights.layer_bytes())
+    layers = weights.layers(weight_layers)
+    calls = itertools.count()
+
     def call_cpumoe(r: Routing) -> torch.Tensor:
-        return fused_experts(x, weights.w1p, weights.w2p, r.topk_weights, r.topk_ids,
-                             is_vnni=True, **weights.kwargs)
+        w1p, w2p, kwargs = layers[next(calls) % len(layers)]
+        return fused_experts(x, w1p, w2p, r.topk_weights, r.topk_ids, is_vnni=True, **kwargs)
 
     impls = []  # in-process baselines: (Baseline, fn)
     keys = ["baseline"] if baseline else []
@@ -1109,6 +1154,7 @@ def run_case(
         "ms_min": min(times) * 1e3,
         "iters": len(times),
         "distinct_experts": distinct,
+        "weight_layers": len(layers),
         "weight_bytes": weight_bytes,
         "gbps": weight_bytes / sec / 1e9,
         "bw_fraction": weight_bytes / sec / 1e9 / limits.read_gbps if limits.read_gbps else None,
@@ -1618,6 +1664,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="show the progress bar even if stderr is not a terminal")
     p.add_argument("--bw-mib", type=int, default=None, metavar="MiB",
                    help="buffer of the bandwidth probe (default max(1 GiB, 4 x LLC))")
+    p.add_argument("--weight-layers", type=int, default=None, metavar="N",
+                   help="copies of each case's weights that cpumoe's calls cycle through, as "
+                        "the layers of a model (default: enough for max(1 GiB, 8 x LLC), at "
+                        "most %d)" % MAX_WEIGHT_LAYERS)
     p.add_argument("--seed", type=int, default=0, help="seed of weights and routings")
     return p
 
@@ -1662,6 +1712,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(e))
     if args.iters is not None and args.iters <= 0:
         parser.error("--iters must be positive")
+    if args.weight_layers is not None and args.weight_layers <= 0:
+        parser.error("--weight-layers must be positive")
     if args.min_time <= 0:
         parser.error("--min-time must be positive")
     if args.baseline_isa is not None and not args.baseline_isa.strip():
@@ -1799,7 +1851,9 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         if busy0 is not None and busy0 > 0.1:
             emit(f"WARNING: other processes kept the CPUs {100 * busy0:.0f}% busy just before "
                  "the run; figures will be noisy")
-        emit("fresh random routing on every call (weights come from DRAM); ms = median;")
+        emit("fresh random routing on every call, and cpumoe's calls cycle through copies "
+             "of the weights ('layers', at least max(1 GiB, 8 x LLC) in all unless "
+             "--weight-layers), so weights come from DRAM; ms = median;")
         emit("bound ms = the larger of weight bytes / read bandwidth (bound 'bw') and "
              "operations / peak (bound 'ops'); %bound = bound ms / ms; %bw, %peak likewise;")
         for key in baseline_keys:
@@ -1841,7 +1895,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                         iters=args.iters, min_time=args.min_time,
                         baseline=not args.no_baseline, capped=cap, limits=limits,
                         scaling_threads=scaling, scaling_limits=scaling_limits,
-                        seed=args.seed,
+                        seed=args.seed, weight_layers=args.weight_layers,
                         progress=lambda f, text, d=done: bar.update(
                             t0_cases + d + case_units * f, text))
                     cases.append(rec)
@@ -1937,6 +1991,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
             "int8pack_unavailable": unavailable.get("int8pack"),
             "int4pack_unavailable": unavailable.get("int4pack"),
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",
+            "weight_layers": args.weight_layers,
         },
         "cases": cases,
         "wall_seconds": wall,
