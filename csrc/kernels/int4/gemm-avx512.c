@@ -13,11 +13,20 @@
  *            int32, and the fp32 conversion of the block sum is exact (< 2^24).
  *
  * Decode tile mr x 32 with mr <= 4 and why: per k-quad the expansion costs and, shift,
- * and, two subtracts (5 uops for 64 weight bytes); each row adds 2 vpdpbusd and a
- * broadcast. Accumulators: 2 int32 + 2 fp32 per row, 16 zmm at mr = 4, plus the nibble
- * mask, 2 zero-point vectors and temporaries: under 32 zmm, no spills. At mr = 1 the loop
- * moves 64 bytes of weights per ~8 uops, far below the two vector ports' budget, so decode
- * is limited by memory bandwidth. Larger blocks of rows take the unpack path.
+ * and, two subtracts (5 uops for 64 weight bytes) and two vpdpbusd for the column sums
+ * (below); each row adds 2 vpdpbusd and a broadcast. Accumulators: 2 int32 + 2 fp32 per
+ * row, 16 zmm at mr = 4, plus the nibble mask, 2 zero-point vectors, 2 column sums and
+ * temporaries: under 32 zmm, no spills. At mr = 1 the loop moves 64 bytes of weights per
+ * ~10 uops, far below the two vector ports' budget, so decode is limited by memory.
+ * Larger blocks of rows take the unpack path.
+ *
+ * The decode GEMM never reads a block's comp: the u8 activations carry +128, so a block's
+ * sum needs -128 x sum(w - zero) per column, which it adds up itself (vpdpbusd against a
+ * vector of ones, exact) from the nibbles it has in registers anyway, and its read-ahead
+ * requests only nibble lines (the same k-quad some blocks ahead). That keeps the 128 comp
+ * bytes of every 2 KiB block (6%) out of the stream: Qwen3 int4 M=1, 8 copies of the
+ * weights cycled (so they come from DRAM), one process alternating, 3 x 60 calls: medians
+ * 0.86, 1.02, 1.01 vs 0.90, 1.07, 1.07 ms with the comp loaded.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -28,11 +37,11 @@
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
-/* Decode GEMM, bytes of packed weights requested ahead (the L2 streamer stops at 4 KiB
- * pages): prefetcht0 2 KiB and prefetcht1 8 KiB ahead. Earlier a single prefetcht0: 4 KiB
- * was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x at 2 KiB, 1.55-1.56x at
- * 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it (Qwen3 M=1, one process,
- * rotating order, 3 x 40 calls each: medians 2.15-2.18 vs 2.20-2.32 ms); 4+12 and 2+16 KiB
+/* Decode GEMM, bytes of nibbles requested ahead (the L2 streamer stops at 4 KiB pages):
+ * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks. Earlier a single
+ * prefetcht0: 4 KiB was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x at 2
+ * KiB, 1.55-1.56x at 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it (Qwen3 M=1, one
+ * process, rotating order, 3 x 40 calls each: medians 2.15-2.18 vs 2.20-2.32 ms); 4+12 and 2+16 KiB
  * did as well, prefetcht1 alone at 8 or 16 KiB not. */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
 #define CM_INT4_PREFETCH_L2_BYTES 8192
@@ -85,6 +94,10 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
     c_lo[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_LOW_HALVES);
     c_hi[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_HIGH_HALVES);
   }
+  /* read-ahead in whole blocks: the same k-quad that many blocks on, never a comp line */
+  const size_t ahead_l1 = (CM_INT4_PREFETCH_L1_BYTES + 16 * bk - 1) / (16 * bk);
+  const size_t ahead_l2 = (CM_INT4_PREFETCH_L2_BYTES + 16 * bk - 1) / (16 * bk);
+  const __m512i ones = _mm512_set1_epi8(1);
   for (size_t b = 0; b < nb; b++) {
     const size_t kb = kb0 + b, group = kb / w->group_blocks;
     const uint8_t *block = w->blocks + kb * block_bytes;
@@ -94,23 +107,17 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
     _mm_prefetch((const char *)(w->scales + ahead + 16), _MM_HINT_T0);
     __m512i zlo, zhi;
     zero_lanes(w->zeros + group * CM_NR, &zlo, &zhi);
-    /* start from -128 comp: the u8 activations carry +128 */
-    const __m512i comp0 = _mm512_loadu_si512(block + 16 * bk);
-    const __m512i comp1 = _mm512_loadu_si512(block + 16 * bk + 64);
-    const __m512i start_lo = _mm512_sub_epi32(
-        _mm512_setzero_si512(),
-        _mm512_slli_epi32(_mm512_shuffle_i64x2(comp0, comp1, CM_SELECT_LOW_HALVES), 7));
-    const __m512i start_hi = _mm512_sub_epi32(
-        _mm512_setzero_si512(),
-        _mm512_slli_epi32(_mm512_shuffle_i64x2(comp0, comp1, CM_SELECT_HIGH_HALVES), 7));
+    __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512(); /* w - zero */
 #pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) acc_lo[r] = start_lo, acc_hi[r] = start_hi;
+    for (int r = 0; r < mr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_si512();
     const uint8_t *ab = a + b * bk * as;
     for (size_t kq = 0; kq < bk / 4; kq++) {
-      cm_prefetch_ahead__avx512(block + kq * 64, CM_INT4_PREFETCH_L1_BYTES,
-                                CM_INT4_PREFETCH_L2_BYTES, 1);
+      _mm_prefetch((const char *)(block + ahead_l1 * block_bytes + kq * 64), _MM_HINT_T0);
+      _mm_prefetch((const char *)(block + ahead_l2 * block_bytes + kq * 64), _MM_HINT_T1);
       __m512i wlo, whi;
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
+      sum_lo = _mm512_dpbusd_epi32(sum_lo, ones, wlo);
+      sum_hi = _mm512_dpbusd_epi32(sum_hi, ones, whi);
       const uint8_t *ak = ab + kq * as * 4;
 #pragma GCC unroll 4
       for (int r = 0; r < mr; r++) {
@@ -118,6 +125,14 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
         acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], x, wlo);
         acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], x, whi);
       }
+    }
+    /* the +128 the activations carry: -128 x the column sums (the comp the block stores) */
+    sum_lo = _mm512_slli_epi32(sum_lo, 7);
+    sum_hi = _mm512_slli_epi32(sum_hi, 7);
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      acc_lo[r] = _mm512_sub_epi32(acc_lo[r], sum_lo);
+      acc_hi[r] = _mm512_sub_epi32(acc_hi[r], sum_hi);
     }
     const float *scale = w->scales + group * CM_NR;
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
