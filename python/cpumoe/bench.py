@@ -364,6 +364,7 @@ def default_read_buffer_bytes() -> int:
 
 
 MAX_WEIGHT_LAYERS = 16
+INT4_COMP_BYTES = 128  # int32 per column after each packed int4 block (docs/FORMATS.md)
 
 
 def default_weight_layers(layer_bytes: int) -> int:
@@ -736,10 +737,16 @@ class ExpertWeights:
     def expert_bytes(self) -> int:
         """Bytes cpumoe reads per expert touched: the packed weights and every per-expert
         tensor passed with them (scales, zero points), over E; e.g. int8 adds an fp32 scale
-        and the packed layout's 4-byte compensation per output row (2N + K rows)."""
+        and the packed layout's 4-byte compensation per output row (2N + K rows). int4
+        leaves out the 128 bytes of compensation after each packed block
+        ``[..., 16 bk + 128]``: its decode kernel sums the columns itself and never reads
+        them (the prefill path does, where the bound is the arithmetic)."""
         tensors = [self.w1p, self.w2p] + [v for v in self.kwargs.values()
                                           if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors) // self.shape.E
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.scheme == "int4":
+            total -= sum(t.numel() // t.shape[-1] * INT4_COMP_BYTES for t in (self.w1p, self.w2p))
+        return total // self.shape.E
 
 
 def _quantize_experts(w: torch.Tensor, fp8: bool = False):
