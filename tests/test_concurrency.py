@@ -160,3 +160,24 @@ def test_workers_run_on_torchs_threads():
         assert cpumoe._C.runner_threads(8) == 1
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [3, 4, 7])
+def test_uneven_worker_counts_match_one_thread(threads):
+    """Each worker owns a segment of a stage's tasks and steals from the back of the others'
+    (csrc/kernels/common/parallel.c); with more workers than cores and segment counts that do
+    not divide the task counts, every task still runs exactly once: the outputs of every
+    scheme are those of one thread, bit for bit."""
+    torch.manual_seed(threads)
+    calls = cases()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [call() for call in calls]
+        torch.set_num_threads(threads)
+        cpumoe._C.release_workspace()  # no stale results to hide a task that did not run
+        got = [call() for call in calls]
+    finally:
+        torch.set_num_threads(previous)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), i

@@ -1,10 +1,10 @@
 /*
  * Work distribution inside the core. An op stage is a list of independent tasks
- * 0..n-1; cm_parallel_tasks asks the caller's runner for workers, and each worker
- * claims runs of consecutive task indices from one atomic counter until none is left
- * (a shrinking share of what remains; see parallel.c). A task's
- * result never depends on which worker ran it, so outputs are identical for any
- * thread count.
+ * 0..n-1; cm_parallel_tasks asks the caller's runner for workers, gives each worker a
+ * contiguous segment of the tasks, and each worker claims runs of consecutive tasks from
+ * the front of its own segment, then steals runs from the back of the others' until none
+ * is left (see parallel.c). A task's result never depends on which worker ran it, so
+ * outputs are identical for any thread count.
  */
 #ifndef CPUMOE_COMMON_PARALLEL_H
 #define CPUMOE_COMMON_PARALLEL_H
