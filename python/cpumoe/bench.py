@@ -35,10 +35,10 @@ started with ``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g.
 Routing is decode-realistic: every timed call gets a fresh, pre-generated routing
 (random distinct experts per token, softmax-normalised fp32 weights, int32 ids), and
 cpumoe's calls cycle through copies of the weights, as through the layers of a model
-(:func:`default_weight_layers`), so expert weights come from DRAM rather than from cache. cpumoe and the baselines see the
-same routings (the subprocess regenerates them from the seed). ``benchmarks/README.md``
-describes the method and the output fields; ``--plot FILE.png`` draws the roofline
-picture (:func:`write_plot`, needs matplotlib).
+(:func:`default_weight_layers`), so expert weights come from DRAM rather than from cache.
+cpumoe and the baselines see the same routings (the subprocess regenerates them from the
+seed). ``benchmarks/README.md`` describes the method and the output fields; ``--plot
+FILE.png`` draws the roofline picture (:func:`write_plot`, needs matplotlib).
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
 :func:`measure_fma_peak`, :func:`measure_int8_peak`, :func:`run_case`,
@@ -717,6 +717,7 @@ class ExpertWeights:
         self.w1p, self.w2p = made.w1p, made.w2p
         self.kwargs = {"moe_comp_method": SCHEMES[self.scheme].method, **made.kwargs}
         self.torch_data = made.torch_data
+        self._layers = [(self.w1p, self.w2p, self.kwargs)]  # see layers()
 
     def layer_bytes(self) -> int:
         """Bytes of one copy of everything cpumoe reads (packed weights, scales, zeros)."""
@@ -725,14 +726,12 @@ class ExpertWeights:
     def layers(self, count: int) -> List[tuple]:
         """``count`` copies of cpumoe's inputs as ``(w1p, w2p, kwargs)``: this object's own
         tensors first, then clones (made once and kept, see :func:`default_weight_layers`)."""
-        if not hasattr(self, "_layers"):
-            self._layers = [(self.w1p, self.w2p, self.kwargs)]
         while len(self._layers) < count:
             self._layers.append((self.w1p.clone(), self.w2p.clone(),
                                  {k: v.clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in self.kwargs.items()}))
         del self._layers[max(count, 1):]
-        return self._layers[:max(count, 1)]
+        return list(self._layers)
 
     def expert_bytes(self) -> int:
         """Bytes cpumoe reads per expert touched: the packed weights and every per-expert

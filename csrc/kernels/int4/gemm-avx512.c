@@ -32,17 +32,18 @@
 #include <string.h>
 
 #include "common/int4.h"
+#include "common/sizes.h"       /* cm_ceil_div */
 #include "common/tile-avx2.h"   /* CM_MR_SWITCH4 */
 #include "common/tile-avx512.h" /* cm_broadcast_dword__avx512 */
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
 /* Decode GEMM, bytes of nibbles requested ahead (the L2 streamer stops at 4 KiB pages):
- * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks. Earlier a single
- * prefetcht0: 4 KiB was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x at 2
- * KiB, 1.55-1.56x at 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it (Qwen3 M=1, one
- * process, rotating order, 3 x 40 calls each: medians 2.15-2.18 vs 2.20-2.32 ms); 4+12 and 2+16 KiB
- * did as well, prefetcht1 alone at 8 or 16 KiB not. */
+ * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks. Earlier a
+ * single prefetcht0: 4 KiB was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x
+ * at 2 KiB, 1.55-1.56x at 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it
+ * (Qwen3 M=1, one process, rotating order, 3 x 40 calls each: medians 2.15-2.18 vs
+ * 2.20-2.32 ms); 4+12 and 2+16 KiB did as well, prefetcht1 alone at 8 or 16 KiB not. */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
 #define CM_INT4_PREFETCH_L2_BYTES 8192
 /* The zero points and scales live in arrays of their own, which no read-ahead above
@@ -95,8 +96,8 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
     c_hi[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_HIGH_HALVES);
   }
   /* read-ahead in whole blocks: the same k-quad that many blocks on, never a comp line */
-  const size_t ahead_l1 = (CM_INT4_PREFETCH_L1_BYTES + 16 * bk - 1) / (16 * bk);
-  const size_t ahead_l2 = (CM_INT4_PREFETCH_L2_BYTES + 16 * bk - 1) / (16 * bk);
+  const size_t ahead_l1 = (size_t)cm_ceil_div(CM_INT4_PREFETCH_L1_BYTES, (int64_t)(16 * bk));
+  const size_t ahead_l2 = (size_t)cm_ceil_div(CM_INT4_PREFETCH_L2_BYTES, (int64_t)(16 * bk));
   const __m512i ones = _mm512_set1_epi8(1);
   for (size_t b = 0; b < nb; b++) {
     const size_t kb = kb0 + b, group = kb / w->group_blocks;
