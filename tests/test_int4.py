@@ -123,8 +123,8 @@ def test_quantize_int4_round_trip(fmt):
 
 
 # (M, E, topk, N, K, group, dtype, fmt): every M meets decode (<= 4 rows per expert) and
-# prefill (several panels per expert) blocks; groups 32, 64, 128, 256 (bk 128 with two
-# blocks per group); both formats and dtypes
+# prefill (several panels per expert) blocks; groups 32, 64, 128, 256 and 384 (bk 128 with
+# two and three blocks per group); both formats and dtypes
 CASES = [
     (1, 1, 1, 32, 128, 32, "bf16", "awq"),
     (3, 8, 2, 64, 256, 64, "fp16", "gptq"),
@@ -133,6 +133,7 @@ CASES = [
     (130, 8, 3, 32, 256, 32, "bf16", "gptq"),
     (130, 4, 1, 128, 512, 256, "fp16", "awq"),
     (17, 3, 3, 64, 128, 64, "bf16", "awq"),
+    (4, 4, 2, 384, 768, 384, "bf16", "gptq"),
 ]
 
 
