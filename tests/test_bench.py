@@ -359,3 +359,68 @@ def test_weight_layers_cycle(tmp_path, fast_limits, capsys):
     with pytest.raises(SystemExit):
         bench.main(ARGS + ["--weight-layers", "0"])
     capsys.readouterr()
+
+
+def test_parse_pairs():
+    assert bench.parse_pairs("bf16/int8, int8/int4,bf16/int8") == [("bf16", "int8"),
+                                                                    ("int8", "int4")]
+    for bad, match in [("int8", "expected A/B"), ("int8/", "expected A/B"),
+                       ("int8/int9", "unknown scheme 'int9'"), ("int8/int8", "twice"),
+                       (",", "at least one pair")]:
+        with pytest.raises(Exception, match=match):
+            bench.parse_pairs(bad)
+
+
+def test_interleaved_calls_alternate(monkeypatch):
+    """run_interleaved: every routing is run by both schemes, which one goes first swaps
+    from routing to routing, each scheme goes round its own weight copies, and a scheme
+    made slower shows in its median (so the ratio can fail)."""
+    import time
+
+    shape = bench.parse_shapes(SHAPE)[0]
+    a = bench.ExpertWeights(shape, "bf16", scheme="bf16")
+    b = bench.ExpertWeights(shape, "bf16", scheme="int8")
+    seen = []
+    real = bench.fused_experts
+
+    def spy(x, w1, w2, topk_weights, topk_ids, **kw):
+        method = kw.get("moe_comp_method", 0)
+        seen.append((method, topk_ids.data_ptr(), w1.data_ptr()))
+        if method == 0:
+            time.sleep(0.004)  # bf16 made slower: its median must show it
+        return real(x, w1, w2, topk_weights, topk_ids, **kw)
+
+    monkeypatch.setattr(bench, "fused_experts", spy)
+    rec = bench.run_interleaved(shape, 2, [a, b], iters=6, weight_layers=2)
+    timed = seen[-12:]  # after the warm-up calls
+    assert [m for m, _, _ in timed] == [0, 1, 1, 0] * 3
+    pairs = [timed[i:i + 2] for i in range(0, 12, 2)]
+    assert all(p[0][1] == p[1][1] for p in pairs)  # same routing for both schemes
+    assert len({p[1] for p in timed}) == 6  # six routings
+    for method in (0, 1):
+        assert len({w for m, _, w in timed if m == method}) == 2  # two copies each
+    assert rec["iters"] == 6 and rec["weight_layers"] == {"bf16": 2, "int8": 2}
+    assert rec["ms"]["bf16"] > rec["ms"]["int8"] + 3.0
+    with pytest.raises(ValueError, match="two distinct"):
+        bench.run_interleaved(shape, 2, [a, a], iters=1)
+
+
+def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
+    """--interleave: a table after the rows and JSON records with pair and ratio; a pair
+    with a scheme that cannot run is skipped and said why."""
+    why = "int4 not built yet: (test)"
+    monkeypatch.setitem(bench._INT4_REASON, torch.bfloat16, why)
+    path = tmp_path / "pairs.json"
+    assert bench.main(["--shape", SHAPE, "--scheme", "int8", "--m", "1,3", "--iters", "2",
+                       "--bw-mib", "64", "--threads", "1", "--no-baseline",
+                       "--interleave", "bf16/int8,int8/int4", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["interleave"] == ["bf16/int8", "int8/int4"]
+    recs = doc["interleaved"]
+    assert [(r["pair"], r["M"]) for r in recs] == [("bf16/int8", 1), ("bf16/int8", 3)]
+    for r in recs:
+        assert r["ratio"] == pytest.approx(r["ms"]["bf16"] / r["ms"]["int8"])
+        assert r["iters"] == 2
+    out = capsys.readouterr().out
+    assert "interleaved pairs" in out and "bf16/int8" in out
+    assert f"pair int8/int4 skipped: {why}" in out

@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +184,31 @@ def parse_schemes(text: str) -> List[str]:
         out.extend(n for n in names if n not in out)
     if not out:
         raise argparse.ArgumentTypeError("--scheme expects at least one scheme")
+    return out
+
+
+def parse_pairs(text: str) -> List[Tuple[str, str]]:
+    """``--interleave``: comma list of scheme pairs ``A/B`` (names of :data:`SCHEMES`),
+    duplicates dropped."""
+    out: List[Tuple[str, str]] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        names = [n.strip() for n in part.split("/")]
+        if len(names) != 2 or not all(names):
+            raise argparse.ArgumentTypeError(
+                f"bad pair '{part}': expected A/B, e.g. bf16/int8,int8/int4")
+        for n in names:
+            if n not in SCHEMES:
+                raise argparse.ArgumentTypeError(
+                    f"unknown scheme '{n}' in pair '{part}': expected {', '.join(SCHEMES)}")
+        if names[0] == names[1]:
+            raise argparse.ArgumentTypeError(f"pair '{part}' names one scheme twice")
+        if tuple(names) not in out:
+            out.append((names[0], names[1]))
+    if not out:
+        raise argparse.ArgumentTypeError("--interleave expects at least one pair A/B")
     return out
 
 
@@ -1208,6 +1233,65 @@ def run_case(
     return rec
 
 
+def run_interleaved(
+    shape,
+    M: int,
+    weights: Sequence[ExpertWeights],
+    *,
+    iters: Optional[int] = None,
+    min_time: float = 1.0,
+    min_iters: int = 3,
+    max_iters: int = 200,
+    seed: int = 0,
+    weight_layers: Optional[int] = None,
+) -> dict:
+    """Times cpumoe on several weight schemes of one shape in one loop: every routing is
+    run by each scheme in turn, the order rotating from one routing to the next, each
+    scheme cycling through its own copies of the weights (as in :func:`run_case`). A slow
+    spell of a shared machine then lands on all of them alike, so their time ratio is
+    steadier than that of rows timed minutes apart. ``weights`` are :class:`ExpertWeights`
+    of ``shape`` with distinct schemes; each gets x (the same draw) in its activation
+    dtype. The number of
+    routings is ``iters`` if given, else enough for every scheme to run ``min_time``
+    seconds, clamped to ``[min_iters, max_iters]``. Returns ``{"shape", "M", "schemes",
+    "ms": {scheme: median}, "ms_min": {...}, "weight_layers": {...}, "iters"}``."""
+    shape = _as_shape(shape)
+    if M <= 0:
+        raise ValueError(f"M must be positive, got {M}")
+    names = [w.scheme for w in weights]
+    if len(set(names)) != len(names) or len(names) < 2:
+        raise ValueError(f"run_interleaved needs at least two distinct schemes, got {names}")
+    if any(w.w1.shape != (shape.E, 2 * shape.N, shape.K) for w in weights):
+        raise ValueError("weights do not match the case's shape")
+    # each scheme gets x in its activation dtype (w.dtype), from the same fp32 draw
+    g, x32, warm = _case_inputs(shape, M, torch.float32, seed)
+    calls = []
+    for w in weights:
+        x = x32.to(w.dtype)
+        layers = w.layers(weight_layers or default_weight_layers(w.layer_bytes()))
+        count = itertools.count()
+
+        def call(r: Routing, x=x, layers=layers, count=count) -> torch.Tensor:
+            w1p, w2p, kwargs = layers[next(count) % len(layers)]
+            return fused_experts(x, w1p, w2p, r.topk_weights, r.topk_ids, is_vnni=True, **kwargs)
+
+        calls.append((w.scheme, len(layers), call))
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    with torch.inference_mode():
+        gc.collect()
+        slowest = max(_warm_up(call, warm) for _, _, call in calls)
+        n = _iterations(slowest, iters, min_time, min_iters, max_iters)
+        for i, r in enumerate(make_routings(n, M, shape.E, shape.topk, g)):
+            for name, _, call in calls[i % len(calls):] + calls[:i % len(calls)]:
+                times[name].append(_timed(call, r)[0])
+    return {
+        "shape": shape.name, "M": M, "schemes": names, "iters": n,
+        "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+        "ms_min": {k: min(v) * 1e3 for k, v in times.items()},
+        "weight_layers": {name: count for name, count, _ in calls},
+    }
+
+
 # ---- eager baseline under a capped oneDNN ISA (subprocess) ---------------------------------
 
 _WORKER_FLAG = "--_baseline-worker"
@@ -1674,6 +1758,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="copies of each case's weights that cpumoe's calls cycle through, as "
                         "the layers of a model (default: enough for max(1 GiB, 8 x LLC), at "
                         "most %d)" % MAX_WEIGHT_LAYERS)
+    p.add_argument("--interleave", type=parse_pairs, default=None, metavar="A/B,...",
+                   help="after the rows, time each pair of schemes in one loop, their calls "
+                        "alternating on the same routings, for every shape and M; reports "
+                        "A ms / B ms (how many times faster B is), free of the drift between "
+                        "rows timed minutes apart; e.g. bf16/int8,int8/int4")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and routings")
     return p
 
@@ -1766,6 +1855,49 @@ def _limits_json(lim: dict) -> dict:
             "int8_samples_gops": i8["samples_gops"] if i8 else None}
 
 
+def run_pairs(args: argparse.Namespace, shapes: List[Shape], pairs: List[Tuple[str, str]],
+              emit: Callable[[str], None], progress: Callable[[float, str], None]) -> List[dict]:
+    """``--interleave``: :func:`run_interleaved` for every shape, pair and M; prints a
+    table and returns the records, each with ``pair`` "A/B" and ``ratio`` = A ms / B ms."""
+    if not pairs:
+        return []
+    emit()
+    emit("interleaved pairs: the two schemes' calls alternate in one loop (which goes first "
+         "swaps every call) on the same routings, each cycling its own weight copies; "
+         "ratio = A ms / B ms")
+    emit(f"{'shape':<17} {'M':>5} {'pair':>11} {'A ms':>9} {'B ms':>9} {'ratio':>6}")
+    records: List[dict] = []
+    steps, step = len(shapes) * len(pairs) * len(args.m), 0
+    for shape in shapes:
+        weights: Dict[str, ExpertWeights] = {}
+        for k, (a, b) in enumerate(pairs):
+            reason = scheme_unavailable(a, args.dtype) or scheme_unavailable(b, args.dtype)
+            if reason:
+                emit(f"{shape.name:<17} pair {a}/{b} skipped: {reason}")
+                step += len(args.m)
+                continue
+            for name in (a, b):
+                if name not in weights:
+                    progress(step / steps, f"{shape.name} {name}: generating and packing weights")
+                    weights[name] = ExpertWeights(shape, args.dtype, args.seed, scheme=name)
+            for M in args.m:
+                progress(step / steps, f"{shape.name} {a}/{b} M={M}: interleaved")
+                rec = run_interleaved(shape, M, [weights[a], weights[b]], iters=args.iters,
+                                      min_time=args.min_time, seed=args.seed,
+                                      weight_layers=args.weight_layers)
+                rec["pair"] = f"{a}/{b}"
+                rec["ratio"] = rec["ms"][a] / rec["ms"][b]
+                records.append(rec)
+                emit(f"{shape.name:<17} {M:>5} {a + '/' + b:>11} {rec['ms'][a]:>9.2f} "
+                     f"{rec['ms'][b]:>9.2f} {rec['ratio']:>5.2f}x")
+                step += 1
+            for name in [n for n in weights if all(n not in p for p in pairs[k + 1:])]:
+                del weights[name]  # no later pair needs it: free its copies
+        del weights
+        gc.collect()
+    return records
+
+
 def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     t_start = time.perf_counter()
     json_stdout = args.json == "-"
@@ -1803,7 +1935,10 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     t_limits = (0.7 if need_int8 else 0.5) * len(args.threads)
     t_capped = 0.5 * total_cases if capped_isa else 0.0
     case_units = 1 + 0.3 * len(scaling)
-    bar = Progress(total_cases * case_units + t_limits + t_capped + 0.25, enabled=show_bar)
+    pairs = [(a, b) for a, b in (args.interleave or [])]
+    t_pairs = len(shapes) * len(pairs) * len(args.m)
+    bar = Progress(total_cases * case_units + t_limits + t_capped + t_pairs + 0.25,
+                   enabled=show_bar)
 
     info = machine_info()
     busy0 = cpu_busy_fraction()
@@ -1911,6 +2046,11 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                 del weights
                 gc.collect()
 
+        interleaved = run_pairs(args, shapes, pairs, emit,
+                                lambda f, text, d=done: bar.update(t0_cases + d + t_pairs * f,
+                                                                   text))
+        done += t_pairs
+
         bar.update(t0_cases + done, "re-measuring streaming-read bandwidth", force=True)
         bw1 = _read_bandwidth_samples(bw_bytes)
         read_end = max(bw1["samples_gbps"])
@@ -1998,8 +2138,10 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
             "int4pack_unavailable": unavailable.get("int4pack"),
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",
             "weight_layers": args.weight_layers,
+            "interleave": [f"{a}/{b}" for a, b in pairs],
         },
         "cases": cases,
+        "interleaved": interleaved,
         "wall_seconds": wall,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
