@@ -6,7 +6,8 @@ docs/PERFORMANCE.md: one pivot table per figure (rows = shape x scheme, columns 
 
 Tables: % of the bound (with the bound's kind), the ratio against the eager loop, the ratio
 against torch's weight-only int8/int4 loop, the 1 -> N thread scaling (when the run had
-it), and the share of the CPUs other processes used while each case ran.
+it), the share of the CPUs other processes used while each case ran, and the interleaved
+pairs' ratios (when the run had `--interleave`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def tables(doc: dict) -> str:
         return _pct(max(vals)) if vals else None
 
     parts += pivot(doc, others)
+    pairs = doc.get("interleaved") or []
+    if pairs:
+        ms = sorted({r["M"] for r in pairs})
+        parts += ["", "**interleaved pairs** (A ms / B ms, the two timed in one loop that "
+                  "alternates them; > 1: B is faster)", "",
+                  "| shape | pair | " + " | ".join(f"M={m}" for m in ms) + " |",
+                  "|---|---|" + "---:|" * len(ms)]
+        for shape, pair in dict.fromkeys((r["shape"], r["pair"]) for r in pairs):
+            got = {r["M"]: r["ratio"] for r in pairs if (r["shape"], r["pair"]) == (shape, pair)}
+            parts.append(f"| {shape} | {pair} | "
+                         + " | ".join(_ratio(got.get(m)) for m in ms) + " |")
     return "\n".join(parts) + "\n"
 
 

@@ -424,3 +424,11 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "interleaved pairs" in out and "bf16/int8" in out
     assert f"pair int8/int4 skipped: {why}" in out
+    spec = importlib.util.spec_from_file_location(
+        "perf_tables", os.path.join(REPO, "benchmarks", "perf_tables.py"))
+    perf_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_tables)
+    md = perf_tables.tables(doc).splitlines()
+    assert "| shape | pair | M=1 | M=3 |" in md
+    assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
+            f"{recs[1]['ratio']:.2f} |") in md

@@ -1761,8 +1761,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--interleave", type=parse_pairs, default=None, metavar="A/B,...",
                    help="after the rows, time each pair of schemes in one loop, their calls "
                         "alternating on the same routings, for every shape and M; reports "
-                        "A ms / B ms (how many times faster B is), free of the drift between "
-                        "rows timed minutes apart; e.g. bf16/int8,int8/int4")
+                        "A ms / B ms (how many times faster B is), much less exposed than two "
+                        "rows to the drift of a shared machine; e.g. bf16/int8,int8/int4")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and routings")
     return p
 
