@@ -42,6 +42,15 @@ def fast_limits(monkeypatch):
     monkeypatch.setattr(bench, "_int8_peak_samples", lambda: i8(0.05, 2))
 
 
+def _perf_tables():
+    """benchmarks/perf_tables.py, imported from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "perf_tables", os.path.join(REPO, "benchmarks", "perf_tables.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(tmp_path, extra):
     path = tmp_path / "bench.json"
     assert bench.main(ARGS + extra + ["--json", str(path)]) == 0
@@ -167,11 +176,7 @@ def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
     assert header.split()[-3:] == ["ms", "1->2t", "others"] and "1t" in header.split()
     assert "at 1 thread:" in out and "bit-identical in every case" in out
     # benchmarks/perf_tables.py (the tables of docs/PERFORMANCE.md) reads the same document
-    spec = importlib.util.spec_from_file_location(
-        "perf_tables", os.path.join(REPO, "benchmarks", "perf_tables.py"))
-    perf_tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(perf_tables)
-    md = perf_tables.tables(doc).splitlines()
+    md = _perf_tables().tables(doc).splitlines()
     assert "| shape | scheme | M=4 |" in md
     at = md.index("**1 -> 2 threads** (cpumoe's time at 1 / its time at 2; `!`: output not "
                   "bit-identical)")
@@ -424,11 +429,7 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "interleaved pairs" in out and "bf16/int8" in out
     assert f"pair int8/int4 skipped: {why}" in out
-    spec = importlib.util.spec_from_file_location(
-        "perf_tables", os.path.join(REPO, "benchmarks", "perf_tables.py"))
-    perf_tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(perf_tables)
-    md = perf_tables.tables(doc).splitlines()
+    md = _perf_tables().tables(doc).splitlines()
     assert "| shape | pair | M=1 | M=3 |" in md
     assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
             f"{recs[1]['ratio']:.2f} |") in md
