@@ -1046,6 +1046,19 @@ def _speedup_key(key: str) -> str:
     return "speedup" if key == "baseline" else f"speedup_{key}"
 
 
+def _layered_call(weights: ExpertWeights, x: torch.Tensor, weight_layers: Optional[int]):
+    """cpumoe's call on one routing, cycling through ``weight_layers`` copies of the weights
+    (default :func:`default_weight_layers`), and the number of copies."""
+    layers = weights.layers(weight_layers or default_weight_layers(weights.layer_bytes()))
+    calls = itertools.count()
+
+    def call(r: Routing) -> torch.Tensor:
+        w1p, w2p, kwargs = layers[next(calls) % len(layers)]
+        return fused_experts(x, w1p, w2p, r.topk_weights, r.topk_ids, is_vnni=True, **kwargs)
+
+    return call, len(layers)
+
+
 def run_case(
     shape,
     M: int,
@@ -1117,14 +1130,7 @@ def run_case(
 
     g, x, warm = _case_inputs(shape, M, tdtype, seed)
 
-    if weight_layers is None:
-        weight_layers = default_weight_layers(weights.layer_bytes())
-    layers = weights.layers(weight_layers)
-    calls = itertools.count()
-
-    def call_cpumoe(r: Routing) -> torch.Tensor:
-        w1p, w2p, kwargs = layers[next(calls) % len(layers)]
-        return fused_experts(x, w1p, w2p, r.topk_weights, r.topk_ids, is_vnni=True, **kwargs)
+    call_cpumoe, n_layers = _layered_call(weights, x, weight_layers)
 
     impls = []  # in-process baselines: (Baseline, fn)
     keys = ["baseline"] if baseline else []
@@ -1185,7 +1191,7 @@ def run_case(
         "ms_min": min(times) * 1e3,
         "iters": len(times),
         "distinct_experts": distinct,
-        "weight_layers": len(layers),
+        "weight_layers": n_layers,
         "weight_bytes": weight_bytes,
         "gbps": weight_bytes / sec / 1e9,
         "bw_fraction": weight_bytes / sec / 1e9 / limits.read_gbps if limits.read_gbps else None,
@@ -1251,9 +1257,8 @@ def run_interleaved(
     spell of a shared machine then lands on all of them alike, so their time ratio is
     steadier than that of rows timed minutes apart. ``weights`` are :class:`ExpertWeights`
     of ``shape`` with distinct schemes; each gets x (the same draw) in its activation
-    dtype. The number of
-    routings is ``iters`` if given, else enough for every scheme to run ``min_time``
-    seconds, clamped to ``[min_iters, max_iters]``. Returns ``{"shape", "M", "schemes",
+    dtype. The number of routings is ``iters`` if given, else enough for every scheme to
+    run ``min_time`` seconds, clamped to ``[min_iters, max_iters]``. Returns ``{"shape", "M", "schemes",
     "ms": {scheme: median}, "ms_min": {...}, "weight_layers": {...}, "iters"}``."""
     shape = _as_shape(shape)
     if M <= 0:
@@ -1265,17 +1270,10 @@ def run_interleaved(
         raise ValueError("weights do not match the case's shape")
     # each scheme gets x in its activation dtype (w.dtype), from the same fp32 draw
     g, x32, warm = _case_inputs(shape, M, torch.float32, seed)
-    calls = []
+    calls = []  # (scheme, copies, call)
     for w in weights:
-        x = x32.to(w.dtype)
-        layers = w.layers(weight_layers or default_weight_layers(w.layer_bytes()))
-        count = itertools.count()
-
-        def call(r: Routing, x=x, layers=layers, count=count) -> torch.Tensor:
-            w1p, w2p, kwargs = layers[next(count) % len(layers)]
-            return fused_experts(x, w1p, w2p, r.topk_weights, r.topk_ids, is_vnni=True, **kwargs)
-
-        calls.append((w.scheme, len(layers), call))
+        call, copies = _layered_call(w, x32.to(w.dtype), weight_layers)
+        calls.append((w.scheme, copies, call))
     times: Dict[str, List[float]] = {name: [] for name in names}
     with torch.inference_mode():
         gc.collect()
@@ -1935,7 +1933,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     t_limits = (0.7 if need_int8 else 0.5) * len(args.threads)
     t_capped = 0.5 * total_cases if capped_isa else 0.0
     case_units = 1 + 0.3 * len(scaling)
-    pairs = [(a, b) for a, b in (args.interleave or [])]
+    pairs = list(args.interleave or [])
     t_pairs = len(shapes) * len(pairs) * len(args.m)
     bar = Progress(total_cases * case_units + t_limits + t_capped + t_pairs + 0.25,
                    enabled=show_bar)

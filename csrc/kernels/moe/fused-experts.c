@@ -302,6 +302,8 @@ struct cm_run {
   float *xs;         /* ... and their scales */
   uint8_t *midq;     /* INT8: [slots, N] quantized mid rows */
   float *y;          /* [slots, K] weighted expert outputs, by chunk-local slot */
+  /* writes the y rows: plain or streaming stores, per chunk (CM_Y_CACHED_BYTES) */
+  cm_bias_scale_fn store_y;
 };
 
 /* Rows of a block: its panels are consecutive runs of the same expert's sorted slots. */
@@ -720,14 +722,11 @@ static void gemm2_task(void *ctx, int64_t t) {
   const int64_t first = r->panels[blk->first_panel].first;
   const float *bias = p->w2_bias ? p->w2_bias + (size_t)expert * (size_t)K + 32 * tile : NULL;
   const int64_t rows = block_rows(r, blk);
-  const cm_bias_scale_fn store = (size_t)(r->mc * p->topk * K) * sizeof(float) <= CM_Y_CACHED_BYTES
-                                     ? r->uk->bias_scale
-                                     : r->uk->bias_scale_stream;
   for (int64_t i = 0; i < rows; i++) {
     const int32_t slot = r->sorted[first + i];
     const float g = r->weights[slot];
     float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
-    store(CM_NR, c + i * CM_NR, bias, g, y); /* read back by reduce_task */
+    r->store_y(CM_NR, c + i * CM_NR, bias, g, y); /* read back by reduce_task */
   }
 }
 
@@ -795,6 +794,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
     r.m0 = m0;
     r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
+    r.store_y = (size_t)(r.mc * p->topk * p->K) * sizeof(float) <= CM_Y_CACHED_BYTES
+                    ? uk->bias_scale
+                    : uk->bias_scale_stream;
     route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                 (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
                 (cm_block *)(ws + l.blocks));
