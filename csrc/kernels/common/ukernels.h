@@ -126,12 +126,14 @@ typedef struct cm_int4_tile {
   size_t group_blocks;   /* blocks per group: block b uses group b / group_blocks */
 } cm_int4_tile;
 /* INT4 decode path, weights decoded in registers. For each block b of [kb0, kb0 + nb), in
- * order, with A u8 [nb bk/4][a_stride][4] starting at block kb0:
- *   s[r][n] = sum_{k in b} A[r][k] (w[k][n] - zero[n]) - 128 comp_b[n]     exact int32
+ * order, with A u8 [nb bk/4][a_stride][4] starting at block kb0, holding q + 128, and
+ * q_sums int32 [nb][a_stride], q_sums[b][r] = sum_{k in b} q[r][k]:
+ *   s[r][n] = sum_{k in b} q[r][k] w[k][n] - zero[n] q_sums[b][r]   = sum q (w - zero), exact
  *   C[r][n] = fmaf((float)s[r][n], scale[n], C[r][n])      C starts at +0 unless accumulate
- * (the activations are stored as q + 128, so s = sum q (w - zero)). mr <= 4. */
+ * (the same integer as the prefill path's, so both give the same bits). mr <= 4. */
 typedef void (*cm_gemm_int4_fn)(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
-                                const uint8_t *a_panel, size_t a_stride, float *c, int accumulate);
+                                const uint8_t *a_panel, size_t a_stride, const int32_t *q_sums,
+                                float *c, int accumulate);
 /* INT4 prefill path: dst s8 VNNI-4 [nb][bk/4][32][4] = w - zero of blocks [kb0, kb0 + nb),
  * decoded once and reused by every panel through gemm_u8s8, then per block ... */
 typedef void (*cm_int4_unpack_fn)(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst);
@@ -239,6 +241,6 @@ CM_DECLARE_ELEMENTWISE(scalar)
 CM_DECLARE_ELEMENTWISE(avx2)
 CM_DECLARE_ELEMENTWISE(avx512)
 void cm_int4_gemm_f32acc_mrx32__avx512(size_t, const cm_int4_tile *, size_t, size_t,
-                                       const uint8_t *, size_t, float *, int);
+                                       const uint8_t *, size_t, const int32_t *, float *, int);
 
 #endif /* CPUMOE_COMMON_UKERNELS_H */

@@ -4,29 +4,36 @@
  * blocks into s8 VNNI-4 tiles for the prefill path, and the per-block fold into fp32.
  *
  *   A panel: u8 [k/4][a_stride][4] (activations q + 128, one dword = 4 k of a row).
- *   B:       per k-quad one 64-byte vector v; (v & 15) holds columns 0-7 and 16-23 as
- *            s8 dwords after subtracting their zero points, ((v >> 4) & 15) columns 8-15 and
- *            24-31. vpdpbusd takes them as they are: the accumulators just carry the
- *            columns in that lane order ("lo" = 0-7|16-23, "hi" = 8-15|24-31), and the C
- *            tile is permuted to and from natural order once per call (vshuff32x4).
- *   Exactness: |w - zero| <= 16, so a block of bk <= 128 sums to at most 128*255*16 in
- *            int32, and the fp32 conversion of the block sum is exact (< 2^24).
+ *   B:       per k-quad one 64-byte vector v; (v & 15) holds columns 0-7 and 16-23,
+ *            ((v >> 4) & 15) columns 8-15 and 24-31, as u8 dwords. vpdpbusd takes them as
+ *            they are: the accumulators just carry the columns in that lane order ("lo" =
+ *            0-7|16-23, "hi" = 8-15|24-31), and the C tile is permuted to and from natural
+ *            order once per call (vshuff32x4).
+ *   Exactness: every block sum is the exact integer sum q (w - zero), |q| <= 128 and
+ *            |w - zero| <= 16, so at most 128*128*16 for bk <= 128: its fp32 conversion is
+ *            exact (< 2^24) and both paths give the same bits.
  *
- * Decode tile mr x 32 with mr <= 4 and why: per k-quad the expansion costs and, shift,
- * and, two subtracts (5 uops for 64 weight bytes) and two vpdpbusd for the column sums
- * (below); each row adds 2 vpdpbusd and a broadcast. Accumulators: 2 int32 + 2 fp32 per
- * row, 16 zmm at mr = 4, plus the nibble mask, 2 zero-point vectors, 2 column sums and
- * temporaries: under 32 zmm, no spills. At mr = 1 the loop moves 64 bytes of weights per
- * ~10 uops, far below the two vector ports' budget, so decode is limited by memory.
- * Larger blocks of rows take the unpack path.
+ * Decode tile mr x 32 with mr <= 4 and why: the nibbles are the unsigned operand of
+ * vpdpbusd as they are and the activations the signed one (q = (q + 128) ^ 0x80), so a
+ * k-quad costs and, shift, and for 64 weight bytes plus, per row, a broadcast, a xor and
+ * two vpdpbusd; the zero points come in once per block as zero x sum q, with the per-row
+ * block sums of q computed once per call by the pipeline (moe/fused-experts.c). At mr = 1
+ * that is 6 vector uops per 64 bytes of weights. Accumulators: 2 int32 + 2 fp32 per row,
+ * 16 zmm at mr = 4, plus constants and temporaries: under 32 zmm, no spills. Larger blocks
+ * of rows take the unpack path.
+ *   This replaced subtracting the zero points from the nibbles (two more uops per k-quad)
+ * and the +128 of the activations with column sums of w - zero (two more vpdpbusd): Qwen3
+ * int4, 8 weight copies cycled, one process alternating: M=1 (3 x 80 calls) medians 0.87,
+ * 0.92, 0.91 vs 0.94, 0.97, 0.96 ms and 0.94, 0.91, 0.93 vs 1.01, 1.00, 1.02 ms in a
+ * second run; M=4 (3 x 40) 3.47, 3.23, 3.43 vs 3.79, 3.41, 3.55 ms. Taking the +128 from
+ * the comp the block stores instead of the xor was as slow as the old kernel (M=1 1.02,
+ * 1.02, 1.03 vs 1.02, 1.04, 1.03 ms).
  *
- * The decode GEMM never reads a block's comp: the u8 activations carry +128, so a block's
- * sum needs -128 x sum(w - zero) per column, which it adds up itself (vpdpbusd against a
- * vector of ones, exact) from the nibbles it has in registers anyway, and its read-ahead
- * requests only nibble lines (the same k-quad some blocks ahead). That keeps the 128 comp
- * bytes of every 2 KiB block (6%) out of the stream: Qwen3 int4 M=1, 8 copies of the
- * weights cycled (so they come from DRAM), one process alternating, 3 x 60 calls: medians
- * 0.86, 1.02, 1.01 vs 0.90, 1.07, 1.07 ms with the comp loaded.
+ * The decode GEMM never reads a block's comp: its read-ahead requests only nibble lines
+ * (the same k-quad some blocks ahead). That keeps the 128 comp bytes of every 2 KiB block
+ * (6%) out of the stream: Qwen3 int4 M=1, 8 copies of the weights cycled (so they come from
+ * DRAM), one process alternating, 3 x 60 calls: medians 0.86, 1.02, 1.01 vs 0.90, 1.07,
+ * 1.07 ms with the comp loaded.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -93,19 +100,37 @@ static inline __attribute__((always_inline)) void zero_lanes(const int8_t *zero,
   *hi = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1)), spread);
 }
 
+/* the nibbles w of one packed k-quad as u8, in lo and hi lane order */
+static inline __attribute__((always_inline)) void split_quad(const uint8_t *quad, __m512i *lo,
+                                                             __m512i *hi) {
+  const __m512i low_nibbles = _mm512_set1_epi8(15);
+  const __m512i v = _mm512_loadu_si512(quad);
+  *lo = _mm512_and_si512(v, low_nibbles);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+}
+
 /* w - zero of one packed k-quad, in lo and hi lane order */
 static inline __attribute__((always_inline)) void expand_quad(const uint8_t *quad, __m512i zlo,
                                                               __m512i zhi, __m512i *lo,
                                                               __m512i *hi) {
-  const __m512i low_nibbles = _mm512_set1_epi8(15);
-  const __m512i v = _mm512_loadu_si512(quad);
-  *lo = _mm512_sub_epi8(_mm512_and_si512(v, low_nibbles), zlo);
-  *hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles), zhi);
+  split_quad(quad, lo, hi);
+  *lo = _mm512_sub_epi8(*lo, zlo);
+  *hi = _mm512_sub_epi8(*hi, zhi);
+}
+
+/* zero points of the lo and hi lane orders as int32 lanes */
+static inline __attribute__((always_inline)) void zero_dwords(const int8_t *zero, __m512i *lo,
+                                                              __m512i *hi) {
+  const __m128i z0 = _mm_loadu_si128((const __m128i *)zero);
+  const __m128i z1 = _mm_loadu_si128((const __m128i *)(zero + 16));
+  *lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(z0, z1));
+  *hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1));
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, const cm_int4_tile *w,
                                                             size_t kb0, size_t nb,
                                                             const uint8_t *restrict a, size_t as,
+                                                            const int32_t *restrict q_sums,
                                                             float *restrict c, int accumulate) {
   const size_t bk = w->bk, block_bytes = cm_int4_block_bytes(bk);
   __m512 c_lo[MR_DECODE], c_hi[MR_DECODE];
@@ -122,48 +147,41 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
   const size_t ahead_l2 = blocks_covering(CM_INT4_PREFETCH_L2_BYTES, bk);
   size_t group, group_left;
   group_of_block(kb0, w->group_blocks, &group, &group_left);
-  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i flip_sign = _mm512_set1_epi8((char)0x80); /* q + 128 -> q */
   for (size_t b = 0; b < nb; b++) {
     const uint8_t *block = w->blocks + (kb0 + b) * block_bytes;
     const size_t ahead = (group + CM_INT4_META_GROUPS_AHEAD) * CM_NR; /* may pass the end */
     _mm_prefetch((const char *)(w->zeros + ahead), _MM_HINT_T0);
     _mm_prefetch((const char *)(w->scales + ahead), _MM_HINT_T0);
     _mm_prefetch((const char *)(w->scales + ahead + 16), _MM_HINT_T0);
-    __m512i zlo, zhi;
-    zero_lanes(w->zeros + group * CM_NR, &zlo, &zhi);
-    __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512(); /* w - zero */
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_si512();
     const uint8_t *ab = a + b * bk * as;
     for (size_t kq = 0; kq < bk / 4; kq++) {
       _mm_prefetch((const char *)(block + ahead_l1 * block_bytes + kq * 64), _MM_HINT_T0);
       _mm_prefetch((const char *)(block + ahead_l2 * block_bytes + kq * 64), _MM_HINT_T1);
-      __m512i wlo, whi;
-      expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
-      sum_lo = _mm512_dpbusd_epi32(sum_lo, ones, wlo);
-      sum_hi = _mm512_dpbusd_epi32(sum_hi, ones, whi);
+      __m512i w_lo, w_hi;
+      split_quad(block + kq * 64, &w_lo, &w_hi);
       const uint8_t *ak = ab + kq * as * 4;
 #pragma GCC unroll 4
       for (int r = 0; r < mr; r++) {
-        const __m512i x = cm_broadcast_dword__avx512(ak + 4 * r);
-        acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], x, wlo);
-        acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], x, whi);
+        const __m512i x = _mm512_xor_si512(cm_broadcast_dword__avx512(ak + 4 * r), flip_sign);
+        acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], w_lo, x);
+        acc_hi[r] = _mm512_dpbusd_epi32(acc_hi[r], w_hi, x);
       }
     }
-    /* the +128 the activations carry: -128 x the column sums (the comp the block stores) */
-    sum_lo = _mm512_slli_epi32(sum_lo, 7);
-    sum_hi = _mm512_slli_epi32(sum_hi, 7);
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      acc_lo[r] = _mm512_sub_epi32(acc_lo[r], sum_lo);
-      acc_hi[r] = _mm512_sub_epi32(acc_hi[r], sum_hi);
-    }
+    /* sum q (w - zero) = sum q w - zero sum q */
+    __m512i z_lo, z_hi;
+    zero_dwords(w->zeros + group * CM_NR, &z_lo, &z_hi);
     const float *scale = w->scales + group * CM_NR;
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     const __m512 s_lo = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_LOW_HALVES);
     const __m512 s_hi = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_HIGH_HALVES);
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
+      const __m512i q_sum = _mm512_set1_epi32(q_sums[b * as + (size_t)r]);
+      acc_lo[r] = _mm512_sub_epi32(acc_lo[r], _mm512_mullo_epi32(z_lo, q_sum));
+      acc_hi[r] = _mm512_sub_epi32(acc_hi[r], _mm512_mullo_epi32(z_hi, q_sum));
       c_lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[r]), s_lo, c_lo[r]);
       c_hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_hi[r]), s_hi, c_hi[r]);
     }
@@ -178,8 +196,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
 }
 
 void cm_int4_gemm_f32acc_mrx32__avx512(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
-                                       const uint8_t *a, size_t as, float *c, int accumulate) {
-  CM_MR_SWITCH4(gemm_body, w, kb0, nb, a, as, c, accumulate)
+                                       const uint8_t *a, size_t as, const int32_t *q_sums, float *c,
+                                       int accumulate) {
+  CM_MR_SWITCH4(gemm_body, w, kb0, nb, a, as, q_sums, c, accumulate)
 }
 
 void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {

@@ -93,12 +93,20 @@ static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t til
 
 /* Workspace regions for one chunk; all sizes derive from the problem and mr only. */
 typedef struct cm_layout {
-  size_t offsets, sorted, weights, panels, blocks, xq, xs, a1, as1, mid, midq, a2, as2, y, total;
+  size_t offsets, sorted, weights, panels, blocks, xq, xs, a1, as1, qs1, mid, midq, a2, as2, qs2, y,
+      total;
   int64_t slots, max_panels;
 } cm_layout;
 
 static size_t align64(size_t x) {
   return (x + 63) & ~(size_t)63;
+}
+
+/* INT4: packed blocks along the reduction of gemm `stage` (0 for other schemes). */
+static int64_t int4_blocks(const cpumoe_moe_problem *p, int stage) {
+  if (p->scheme != CPUMOE_SCHEME_INT4_W4A8) return 0;
+  const int64_t red = stage == 1 ? p->K : p->N;
+  return red / cm_int4_block_k_of_group(stage == 1 ? p->w1_group : p->w2_group);
 }
 
 /* validate() bounds slots by 2^24 and K, N by 2^30 (CM_MAX_*): nothing here can overflow. */
@@ -121,9 +129,11 @@ static cm_layout plan_layout(const cpumoe_moe_problem *p, size_t mr) {
   l.midq = at, at = align64(at + (int8 ? (size_t)(l.slots * p->N) : 0));
   l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
   l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.qs1 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * int4_blocks(p, 1)));
   l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
   l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
   l.as2 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.qs2 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * int4_blocks(p, 2)));
   l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
   l.total = at + 64; /* room to align the base pointer */
   return l;
@@ -295,13 +305,14 @@ struct cm_run {
   const float *weights;  /* [mc * topk] topk weights as fp32 */
   const cm_panel *panels;
   const cm_block *blocks;
-  void *a[2];        /* A panels of gemm1 and gemm2 */
-  float *a_scale[2]; /* per-row activation scales (INT8), by sorted position */
-  float *mid;        /* [slots, N] rounded intermediate, by sorted position */
-  uint8_t *xq;       /* INT8: [mc, K] quantized x rows (u8 = q + 128) ... */
-  float *xs;         /* ... and their scales */
-  uint8_t *midq;     /* INT8: [slots, N] quantized mid rows */
-  float *y;          /* [slots, K] weighted expert outputs, by chunk-local slot */
+  void *a[2];         /* A panels of gemm1 and gemm2 */
+  float *a_scale[2];  /* per-row activation scales (INT8), by sorted position */
+  int32_t *q_sums[2]; /* INT4 decode: per row and packed block, sum of q (see gemm_int4) */
+  float *mid;         /* [slots, N] rounded intermediate, by sorted position */
+  uint8_t *xq;        /* INT8: [mc, K] quantized x rows (u8 = q + 128) ... */
+  float *xs;          /* ... and their scales */
+  uint8_t *midq;      /* INT8: [slots, N] quantized mid rows */
+  float *y;           /* [slots, K] weighted expert outputs, by chunk-local slot */
   /* writes the y rows: plain or streaming stores, per chunk (CM_Y_CACHED_BYTES) */
   cm_bias_scale_fn store_y;
 };
@@ -556,6 +567,25 @@ static cm_int4_tile int4_tile(const cm_run *r, int stage, int64_t expert, int64_
   };
 }
 
+/* The u8 panel, and for panels the decode path may take (gemm_block_int4), each row's sum
+ * of q = u8 - 128 over every packed block: the decode GEMM multiplies the nibbles as they
+ * are and subtracts zero x that sum once per block. */
+static void pack_panel_int4(const cm_run *r, const cm_panel *pn, int stage) {
+  pack_panel_u8(r, pn, stage);
+  if (!r->uk->gemm_int4 || pn->rows > CM_INT4_DECODE_MAX_ROWS) return;
+  const int64_t red = stage_reduction(r, stage), blocks = int4_blocks(r->p, stage);
+  const size_t bk = (size_t)(red / blocks), rows = (size_t)pn->rows;
+  const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  int32_t *sums = r->q_sums[stage - 1] + (size_t)(pn->first * blocks);
+  for (size_t b = 0; b < (size_t)blocks; b++)
+    for (size_t i = 0; i < rows; i++) {
+      const uint8_t *q = panel + b * bk * rows + 4 * i; /* k-quads of row i, stride 4 rows */
+      int32_t sum = 0;
+      for (size_t kq = 0; kq < bk / 4; kq++, q += 4 * rows) sum += q[0] + q[1] + q[2] + q[3];
+      sums[b * rows + i] = sum - 128 * (int32_t)bk;
+    }
+}
+
 /* Few rows: nibbles expand in registers (decode: the weights are read once). More rows:
  * each chunk of blocks is unpacked once into an L1-resident s8 tile that every panel runs
  * the u8 x s8 GEMM on, while those GEMM calls prefetch the next chunk's packed blocks in
@@ -574,7 +604,8 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       r->uk->gemm_int4((size_t)pn->rows, &w, 0, k_blocks, panels + (size_t)pn->first * red,
-                       (size_t)pn->rows, cq, 0);
+                       (size_t)pn->rows, r->q_sums[stage - 1] + (size_t)pn->first * k_blocks, cq,
+                       0);
       cq += (size_t)pn->rows * CM_NR;
     }
   } else {
@@ -615,7 +646,7 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
   }
 }
 
-static const cm_scheme_impl cm_scheme_int4 = {prepare_token_int8, pack_panel_u8, gemm_block_int4};
+static const cm_scheme_impl cm_scheme_int4 = {prepare_token_int8, pack_panel_int4, gemm_block_int4};
 
 /* Counting sort of the chunk's slots by expert, then panels and blocks. */
 static void route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
@@ -785,6 +816,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
       .blocks = (const cm_block *)(ws + l.blocks),
       .a = {ws + l.a1, ws + l.a2},
       .a_scale = {(float *)(ws + l.as1), (float *)(ws + l.as2)},
+      .q_sums = {(int32_t *)(ws + l.qs1), (int32_t *)(ws + l.qs2)},
       .mid = (float *)(ws + l.mid),
       .xq = (uint8_t *)(ws + l.xq),
       .xs = (float *)(ws + l.xs),
