@@ -1,7 +1,10 @@
-"""cm_parallel_tasks (csrc/kernels/common/parallel.c) under ThreadSanitizer: the stress
-program tests/stress/parallel_tasks.c runs stages of 0..4999 uneven tasks on 1..9 pthread
-workers and checks that every task ran exactly once; ThreadSanitizer checks the lock-free
-claims for data races. Skipped where no ThreadSanitizer build or run is possible."""
+"""cm_parallel_tasks and cm_parallel_stages (csrc/kernels/common/parallel.c) under
+ThreadSanitizer: the stress program tests/stress/parallel_tasks.c runs stages of 0..4999
+uneven tasks on 1..9 pthread workers, and chains of up to 8 stages on workers with their
+own threads, run one after another, or two to a thread; it checks that every task ran
+exactly once and after the stage before it, and ThreadSanitizer checks the lock-free claims
+and the waits between stages for data races. Skipped where no ThreadSanitizer build or run
+is possible."""
 
 from __future__ import annotations
 

@@ -71,8 +71,10 @@ typedef enum cpumoe_isa {
 /* ---- threads ---------------------------------------------------------------
  * The core never starts threads. An op splits its work into independent tasks
  * and asks the runner to call `worker(arg, w)` once for each w in [0, n_workers),
- * concurrently where it can; workers pull tasks from a shared counter, so which
- * thread runs which task never changes any result. A NULL runner means serial. */
+ * concurrently where it can; workers claim tasks from each other's queues, so which
+ * thread runs which task never changes any result. A worker may wait for tasks that
+ * other workers have already started, never for a worker to start, so a runner that
+ * calls the workers one after another is correct too. A NULL runner means serial. */
 typedef void (*cpumoe_worker_fn)(void *arg, int64_t worker_index);
 typedef struct cpumoe_runner {
   void (*run)(void *runner_ctx, int64_t n_workers, cpumoe_worker_fn worker, void *arg);

@@ -18,14 +18,20 @@ void cm_run_workers(const cpumoe_runner *runner, int64_t n, cpumoe_worker_fn wor
 /* Each worker owns one contiguous segment of the tasks, [next, end), packed in one atomic
  * word (next in the low 32 bits, end in the high) so that one CAS claims from either end. */
 typedef struct task_queue {
-  _Atomic uint64_t segment[CM_MAX_WORKERS];
-  int64_t base, workers; /* task index = base + index within the segments */
+  _Atomic uint64_t *segment; /* [workers] */
+  int64_t base, workers;     /* task index = base + index within the segments */
   cm_task_fn fn;
   void *ctx;
 } task_queue;
 
 static uint64_t pack_segment(int64_t next, int64_t end) {
   return ((uint64_t)end << 32) | (uint64_t)(uint32_t)next;
+}
+
+/* Splits tasks [0, n) into the workers' equal segments. */
+static void init_segments(_Atomic uint64_t *segment, int64_t workers, int64_t n) {
+  for (int64_t w = 0; w < workers; w++)
+    atomic_init(&segment[w], pack_segment(n * w / workers, n * (w + 1) / workers));
 }
 
 /* Claims a run of consecutive tasks of segment s, or returns -1 if it is empty. Its owner
@@ -56,28 +62,90 @@ static int64_t claim_run(task_queue *q, int64_t s, int steal, int64_t *count) {
   }
 }
 
-static void run_claims(task_queue *q, int64_t s, int steal) {
-  int64_t count;
-  for (int64_t first; (first = claim_run(q, s, steal, &count)) >= 0;)
+/* Runs the runs of tasks claimed from segment s; returns how many tasks that was. */
+static int64_t run_claims(task_queue *q, int64_t s, int steal) {
+  int64_t count, ran = 0;
+  for (int64_t first; (first = claim_run(q, s, steal, &count)) >= 0; ran += count)
     for (int64_t t = first; t < first + count; t++) q->fn(q->ctx, q->base + t);
+  return ran;
+}
+
+/* The worker's own segment, then the others' from the back; returns the tasks it ran. */
+static int64_t drain(task_queue *q, int64_t worker) {
+  int64_t ran = run_claims(q, worker, 0);
+  for (int64_t k = 1; k < q->workers; k++) ran += run_claims(q, (worker + k) % q->workers, 1);
+  return ran;
 }
 
 static void drain_queue(void *arg, int64_t worker) {
-  task_queue *q = (task_queue *)arg;
-  run_claims(q, worker, 0);
-  for (int64_t k = 1; k < q->workers; k++) run_claims(q, (worker + k) % q->workers, 1);
+  drain((task_queue *)arg, worker);
   /* orders the worker's streaming stores (bias_scale_stream) before the stage ends */
   atomic_thread_fence(memory_order_seq_cst);
 }
 
 void cm_parallel_tasks(const cpumoe_runner *runner, int64_t n_tasks, cm_task_fn fn, void *ctx) {
-  task_queue q = {.workers = cm_worker_count(runner, n_tasks), .fn = fn, .ctx = ctx};
+  _Atomic uint64_t segment[CM_MAX_WORKERS];
+  task_queue q = {
+      .segment = segment, .workers = cm_worker_count(runner, n_tasks), .fn = fn, .ctx = ctx};
   if (q.workers > CM_MAX_WORKERS) q.workers = CM_MAX_WORKERS;
   /* a segment bound holds 32 bits: more tasks than that (no op has them) go in rounds */
   for (q.base = 0; q.base < n_tasks; q.base += INT32_MAX) {
-    const int64_t n = n_tasks - q.base < INT32_MAX ? n_tasks - q.base : INT32_MAX;
-    for (int64_t w = 0; w < q.workers; w++)
-      atomic_init(&q.segment[w], pack_segment(n * w / q.workers, n * (w + 1) / q.workers));
+    init_segments(segment, q.workers, n_tasks - q.base < INT32_MAX ? n_tasks - q.base : INT32_MAX);
     cm_run_workers(runner, q.workers, drain_queue, &q);
   }
+}
+
+/* The stages of one cm_parallel_stages call: a queue and a count of finished tasks each. */
+typedef struct stage_chain {
+  task_queue queue[CM_MAX_STAGES];
+  int64_t tasks[CM_MAX_STAGES];
+  _Atomic int64_t finished[CM_MAX_STAGES];
+  _Atomic uint64_t segment[CM_MAX_STAGES][CM_MAX_WORKERS];
+  int stages;
+} stage_chain;
+
+/* A hint to the core that this thread spins on a flag (x86 pause). */
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+/* Every worker drains each stage in turn and waits for the tasks the others claimed of it
+ * before it starts the next. A worker waits only for tasks that a running worker has
+ * claimed, so the chain completes even when the runner runs its workers one after another
+ * (the first then runs every task; the others find nothing left). */
+static void run_chain(void *arg, int64_t worker) {
+  stage_chain *c = (stage_chain *)arg;
+  for (int s = 0; s < c->stages; s++) {
+    task_queue *q = &c->queue[s];
+    const int64_t ran = drain(q, worker);
+    /* publishes the stage's writes, streaming stores (bias_scale_stream) included */
+    atomic_thread_fence(memory_order_seq_cst);
+    if (ran) atomic_fetch_add_explicit(&c->finished[s], ran, memory_order_release);
+    while (atomic_load_explicit(&c->finished[s], memory_order_acquire) < c->tasks[s]) spin_pause();
+  }
+}
+
+void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int n_stages,
+                        void *ctx) {
+  int64_t most = 0;
+  for (int s = 0; s < n_stages; s++) most = stages[s].tasks > most ? stages[s].tasks : most;
+  if (n_stages > CM_MAX_STAGES || most > INT32_MAX) { /* no op has that many: stage by stage */
+    for (int s = 0; s < n_stages; s++)
+      cm_parallel_tasks(runner, stages[s].tasks, stages[s].fn, ctx);
+    return;
+  }
+  stage_chain c;
+  c.stages = n_stages;
+  int64_t workers = cm_worker_count(runner, most);
+  if (workers > CM_MAX_WORKERS) workers = CM_MAX_WORKERS;
+  for (int s = 0; s < n_stages; s++) {
+    c.queue[s] =
+        (task_queue){.segment = c.segment[s], .workers = workers, .fn = stages[s].fn, .ctx = ctx};
+    c.tasks[s] = stages[s].tasks;
+    atomic_init(&c.finished[s], 0);
+    init_segments(c.segment[s], workers, stages[s].tasks);
+  }
+  cm_run_workers(runner, workers, run_chain, &c);
 }

@@ -4,7 +4,10 @@
  * contiguous segment of the tasks, and each worker claims runs of consecutive tasks from
  * the front of its own segment, then steals runs from the back of the others' until none
  * is left (see parallel.c). A task's result never depends on which worker ran it, so
- * outputs are identical for any thread count.
+ * outputs are identical for any thread count. cm_parallel_stages runs several stages in one
+ * request to the runner; a worker then waits only for tasks that other, running workers
+ * have claimed, so it needs no more from the runner than cm_parallel_tasks does (workers
+ * run one after another still finish).
  */
 #ifndef CPUMOE_COMMON_PARALLEL_H
 #define CPUMOE_COMMON_PARALLEL_H
@@ -25,5 +28,22 @@ void cm_run_workers(const cpumoe_runner *runner, int64_t n, cpumoe_worker_fn wor
 
 /* Runs fn(ctx, t) once for every t in [0, n_tasks). */
 void cm_parallel_tasks(const cpumoe_runner *runner, int64_t n_tasks, cm_task_fn fn, void *ctx);
+
+#define CM_MAX_STAGES 8
+
+typedef struct cm_stage {
+  int64_t tasks;
+  cm_task_fn fn;
+} cm_stage;
+
+/* cm_parallel_tasks for each stage in order, every task of a stage finished (its writes
+ * visible) before any task of the next starts, in one request to the runner: the workers
+ * wait for each other between stages instead of being started and joined once per stage.
+ * A Qwen3-shaped int4 call with 8 tiny experts (K = 256, N = 128, one token, two threads,
+ * op timed from Python, 3 x 4000 calls alternating): medians 24.1, 25.9, 27.4 vs 30.0,
+ * 31.8, 34.0 us with one cm_parallel_tasks per stage; Qwen3 int4 M=1, one weight copy
+ * (3 x 150 calls): 0.78, 0.83, 0.94 vs 0.79, 0.85, 0.96 ms. */
+void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int n_stages,
+                        void *ctx);
 
 #endif

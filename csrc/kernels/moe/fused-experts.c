@@ -15,13 +15,16 @@
  *   prep    INT8 only, task per token: quantize the x row once (u8 + scale); a token
  *           appears in topk slots, so this is not repeated per slot.
  *   pack1   task per panel: gather the x rows into the scheme's A panel (fp32 for
- *           16-bit weights, widened here; u8 dwords for INT8).
+ *           16-bit weights, widened here; u8 dwords for INT8, and for INT4 decode the
+ *           rows' sums per packed block).
  *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1
  *           (dequantized by the scheme), bias, activation, rounding -> mid [slot, N].
  *   pack2   task per panel: mid rows into the scheme's A panel of gemm2.
  *   gemm2   task per (block, 32 output columns): tile of W2, bias, topk weight,
  *           written to y [slot, K] in the slots' original order.
  *   reduce  task per token: sum the slots in order j = 0..topk-1 (+ residual).
+ *           prep..reduce run as one chain of stages (cm_parallel_stages): one request to
+ *           the runner per chunk, the workers waiting for each other between stages.
  * SCHEMES   differ only in two hooks (cm_scheme_impl): how rows become an A panel,
  *           and how a weight tile times a panel becomes an fp32 C tile.
  * REGULARITIES each task is a fixed computation: outputs do not depend on the
@@ -834,12 +837,15 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
                 (cm_block *)(ws + l.blocks));
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
-    if (r.impl->prepare_token) cm_parallel_tasks(runner, r.mc, prepare_task, &r);
-    cm_parallel_tasks(runner, n_panels, pack1_task, &r);
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles1, gemm1_task, &r);
-    cm_parallel_tasks(runner, n_panels, pack2_task, &r);
-    cm_parallel_tasks(runner, r.n_blocks * r.n_tiles2, gemm2_task, &r);
-    cm_parallel_tasks(runner, r.mc, reduce_task, &r);
+    const cm_stage stages[] = {
+        {r.impl->prepare_token ? r.mc : 0, prepare_task},
+        {n_panels, pack1_task},
+        {r.n_blocks * r.n_tiles1, gemm1_task},
+        {n_panels, pack2_task},
+        {r.n_blocks * r.n_tiles2, gemm2_task},
+        {r.mc, reduce_task},
+    };
+    cm_parallel_stages(runner, stages, (int)(sizeof stages / sizeof stages[0]), &r);
   }
   return CPUMOE_OK;
 }
