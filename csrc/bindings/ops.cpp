@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <optional>
@@ -326,6 +327,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
   return {packed, zeros, out_scales};
 }
 
+// The op's output: a new contiguous CPU tensor shaped and typed as `like`, made by ATen's CPU
+// factory directly. at::empty_like goes through the dispatcher, whose code is cold on every
+// decode call (the weights stream through the caches between calls): Qwen3 M=1, 8 weight
+// copies cycled, clock stamps around the allocation, medians over 280 calls: 4.5-4.8 us
+// against 9.8-11.2 us.
+at::Tensor new_output_like(const at::Tensor &like) {
+  return at::detail::empty_cpu(like.sizes(), like.scalar_type(), /*pin_memory=*/false,
+                               at::MemoryFormat::Contiguous);
+}
+
 // One workspace per calling thread, grown on demand and kept: fresh pages are faulted in
 // and zero-filled by the OS on first touch, which on every call would cost ~10 ms for a
 // 512-token Qwen3 layer. release_workspace() returns it to torch's allocator.
@@ -536,7 +547,7 @@ at::Tensor fused_experts_impl(
               "activation); got only ",
               alpha.has_value() ? "alpha" : "limit");
 
-  at::Tensor out = inplace ? hidden_states : at::empty_like(hidden_states);
+  at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   cpumoe_moe_problem p{};
   p.M = M, p.K = K, p.N = N, p.E = E, p.topk = ids.size(1);
   p.scheme = spec.scheme;
@@ -619,7 +630,7 @@ at::Tensor shared_expert_cpu(
                 ": fused_experts_out must have the shape of hidden_states ", hidden_states.sizes(),
                 ", got ", fused_experts_out->sizes());
   }
-  at::Tensor out = inplace ? hidden_states : at::empty_like(hidden_states);
+  at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   cpumoe_moe_problem p{};
   p.M = M, p.K = K, p.N = N, p.E = 1, p.topk = 1;
   p.scheme = spec.scheme;
