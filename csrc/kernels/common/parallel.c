@@ -37,6 +37,12 @@ static uint64_t pack_segment(int64_t next, int64_t end) {
   return ((uint64_t)end << 32) | (uint64_t)(uint32_t)next;
 }
 
+/* Workers for a queue of n tasks: the runner's count, at most one segment each. */
+static int64_t queue_workers(const cpumoe_runner *runner, int64_t n) {
+  const int64_t workers = cm_worker_count(runner, n);
+  return workers < CM_MAX_WORKERS ? workers : CM_MAX_WORKERS;
+}
+
 /* Splits tasks [0, n) into the workers' equal segments. */
 static void init_segments(_Atomic uint64_t *segment, int64_t workers, int64_t n) {
   for (int64_t w = 0; w < workers; w++)
@@ -95,8 +101,7 @@ static void drain_queue(void *arg, int64_t worker) {
 void cm_parallel_tasks(const cpumoe_runner *runner, int64_t n_tasks, cm_task_fn fn, void *ctx) {
   _Atomic uint64_t segment[CM_MAX_WORKERS];
   task_queue q = {
-      .segment = segment, .workers = cm_worker_count(runner, n_tasks), .fn = fn, .ctx = ctx};
-  if (q.workers > CM_MAX_WORKERS) q.workers = CM_MAX_WORKERS;
+      .segment = segment, .workers = queue_workers(runner, n_tasks), .fn = fn, .ctx = ctx};
   /* a segment bound holds 32 bits: more tasks than that (no op has them) go in rounds */
   for (q.base = 0; q.base < n_tasks; q.base += INT32_MAX) {
     init_segments(segment, q.workers, n_tasks - q.base < INT32_MAX ? n_tasks - q.base : INT32_MAX);
@@ -156,8 +161,7 @@ void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int
   }
   stage_chain c;
   c.stages = n_stages;
-  int64_t workers = cm_worker_count(runner, most);
-  if (workers > CM_MAX_WORKERS) workers = CM_MAX_WORKERS;
+  const int64_t workers = queue_workers(runner, most);
   for (int s = 0; s < n_stages; s++) {
     c.queue[s] =
         (task_queue){.segment = c.segment[s], .workers = workers, .fn = stages[s].fn, .ctx = ctx};

@@ -90,14 +90,22 @@ static inline void group_of_block(size_t kb, size_t group_blocks, size_t *group,
 #define CM_SELECT_LOW_HALVES 0x44  /* lanes 0,1 of a then 0,1 of b */
 #define CM_SELECT_HIGH_HALVES 0xEE /* lanes 2,3 of a then 2,3 of b */
 
-/* zero points of the lo and hi lane orders, each byte repeated over its dword */
-static inline __attribute__((always_inline)) void zero_lanes(const int8_t *zero, __m512i *lo,
-                                                             __m512i *hi) {
+/* zero points of the lo and hi lane orders as int32 lanes */
+static inline __attribute__((always_inline)) void zero_dwords(const int8_t *zero, __m512i *lo,
+                                                              __m512i *hi) {
   const __m128i z0 = _mm_loadu_si128((const __m128i *)zero);
   const __m128i z1 = _mm_loadu_si128((const __m128i *)(zero + 16));
+  *lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(z0, z1));
+  *hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1));
+}
+
+/* the same, each byte repeated over its dword */
+static inline __attribute__((always_inline)) void zero_lanes(const int8_t *zero, __m512i *lo,
+                                                             __m512i *hi) {
   const __m512i spread = _mm512_set1_epi32(0x01010101);
-  *lo = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(z0, z1)), spread);
-  *hi = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1)), spread);
+  zero_dwords(zero, lo, hi);
+  *lo = _mm512_mullo_epi32(*lo, spread);
+  *hi = _mm512_mullo_epi32(*hi, spread);
 }
 
 /* the nibbles w of one packed k-quad as u8, in lo and hi lane order */
@@ -116,15 +124,6 @@ static inline __attribute__((always_inline)) void expand_quad(const uint8_t *qua
   split_quad(quad, lo, hi);
   *lo = _mm512_sub_epi8(*lo, zlo);
   *hi = _mm512_sub_epi8(*hi, zhi);
-}
-
-/* zero points of the lo and hi lane orders as int32 lanes */
-static inline __attribute__((always_inline)) void zero_dwords(const int8_t *zero, __m512i *lo,
-                                                              __m512i *hi) {
-  const __m128i z0 = _mm_loadu_si128((const __m128i *)zero);
-  const __m128i z1 = _mm_loadu_si128((const __m128i *)(zero + 16));
-  *lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(z0, z1));
-  *hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(z0, z1));
 }
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, const cm_int4_tile *w,
