@@ -739,6 +739,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return v;
   });
   m.def(
+      "numerics_class",
+      [](const std::string &name) {
+        const cpumoe_isa isa = cpumoe_isa_from_name(name.c_str());
+        TORCH_CHECK(isa != CPUMOE_ISA_COUNT, "cpumoe.numerics_class: unknown tier '", name, "'");
+        return std::string(cpumoe_isa_numerics(isa));
+      },
+      "numerics class of a tier's results: tiers of one class give the same bits");
+  m.def(
       "release_workspace", [] { cached_workspace = at::Tensor(); },
       "free the calling thread's cached op workspace");
   m.def(

@@ -41,6 +41,7 @@ __all__ = [
     "fused_experts",
     "isa",
     "isa_reason",
+    "numerics_class",
     "set_isa",
     "shared_expert",
 ]
@@ -75,3 +76,10 @@ def cpu_features() -> list:
 def built_isas() -> list:
     """Tiers compiled into this build, worst first."""
     return list(_C.built_isas())
+
+
+def numerics_class(tier: str) -> str:
+    """Numerics class of a tier's results, e.g. 'fp32-chain'. Tiers of one class give
+    bit-identical outputs; across classes they agree within the tolerance of
+    docs/NUMERICS.md."""
+    return _C.numerics_class(tier)

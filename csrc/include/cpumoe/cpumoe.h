@@ -194,6 +194,15 @@ const char *cpumoe_isa_name(cpumoe_isa isa); /* "scalar", "avx2", "avx512" */
 cpumoe_isa cpumoe_isa_from_name(const char *name);
 /* Caps the active tier at `isa` (min with the best supported). */
 cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa);
+/* 1 when this CPU runs the tier's instructions itself (cpuid + xgetbv), else 0. A build
+ * of the core made for testing with CPUMOE_EMULATE_TIERS (tools/build_c_tests.py) runs the
+ * vector tiers' kernel sources through a portable intrinsics layer, so there every built
+ * tier is supported and this tells which of them are emulated. */
+int cpumoe_isa_native(cpumoe_isa isa);
+/* The numerics class of a tier's results, e.g. "fp32-chain": tiers of one class give
+ * bit-identical outputs; across classes outputs agree within the tolerance that
+ * docs/NUMERICS.md states. NULL for an unknown tier. */
+const char *cpumoe_isa_numerics(cpumoe_isa isa);
 /* Why the active tier was chosen, e.g. "avx512 (best supported)". */
 const char *cpumoe_isa_reason(void);
 /* Space-separated CPU features found by cpuid/xgetbv, e.g. "avx2 fma f16c avx512f ..." */

@@ -53,7 +53,7 @@ typedef struct cm_prefetch {
 /* No share: a caller whose call is the only one on its weights (a block of one panel)
  * lets the kernel read ahead on its own, as the decode kernels of the other schemes do;
  * on avx512 that streamed 5-14% faster at decode than the same lines requested as a
- * share (int8/gemm-avx512.c). */
+ * share (schemes/int8/gemm-avx512.c). */
 #define CM_PREFETCH_SELF ((cm_prefetch){NULL, 0})
 
 /* A spread in progress: the next line to request, the end, and the credit toward the next

@@ -62,7 +62,8 @@ static const char *const cm_isa_names[CPUMOE_ISA_COUNT] = {"scalar", "avx2", "av
 
 typedef struct cm_dispatch_state {
   cm_cpu_features features;
-  cpumoe_isa best;
+  cpumoe_isa native; /* best tier the CPU runs itself */
+  cpumoe_isa best;   /* = native, or every tier in an emulating test build */
   char features_text[256];
 } cm_dispatch_state;
 
@@ -83,9 +84,14 @@ static const cm_dispatch_state *dispatch_state(void) {
   if (atomic_compare_exchange_strong(&cm_state_ready, &expected, 1)) {
     cm_cpu_features f = cm_detect_cpu_features();
     cm_state.features = f;
-    cm_state.best = cm_cpu_supports_avx512_tier(&f) ? CPUMOE_ISA_AVX512
-                    : cm_cpu_supports_avx2_tier(&f) ? CPUMOE_ISA_AVX2
-                                                    : CPUMOE_ISA_SCALAR;
+    cm_state.native = cm_cpu_supports_avx512_tier(&f) ? CPUMOE_ISA_AVX512
+                      : cm_cpu_supports_avx2_tier(&f) ? CPUMOE_ISA_AVX2
+                                                      : CPUMOE_ISA_SCALAR;
+#ifdef CPUMOE_EMULATE_TIERS
+    cm_state.best = (cpumoe_isa)(CPUMOE_ISA_COUNT - 1);
+#else
+    cm_state.best = cm_state.native;
+#endif
     char *t = cm_state.features_text;
     const size_t n = sizeof cm_state.features_text;
     t[0] = '\0';
@@ -178,6 +184,15 @@ cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa) {
              cm_isa_names[chosen], cm_isa_names[best]);
   atomic_store(&cm_active, (int)chosen);
   return CPUMOE_OK;
+}
+
+int cpumoe_isa_native(cpumoe_isa isa) {
+  return (unsigned)isa < CPUMOE_ISA_COUNT && isa <= dispatch_state()->native;
+}
+
+const char *cpumoe_isa_numerics(cpumoe_isa isa) {
+  /* every tier so far: one sequential fp32 FMA chain per output, exact integer sums */
+  return (unsigned)isa < CPUMOE_ISA_COUNT ? "fp32-chain" : NULL;
 }
 
 const char *cpumoe_isa_reason(void) {

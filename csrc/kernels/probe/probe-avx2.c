@@ -48,7 +48,7 @@ double cm_probe_fma_loop__avx2(int64_t iterations) {
   return (double)iterations * 12.0 * 8.0 * 2.0;
 }
 
-/* int8 peak of this tier's exact method (int8/gemm-avx2.c): vpmaddwd + vpaddd on
+/* int8 peak of this tier's exact method (schemes/int8/gemm-avx2.c): vpmaddwd + vpaddd on
  * int16-widened operands; 8 lanes x 2 products x 2 ops = 32 ops per pair. */
 double cm_probe_int8_loop__avx2(int64_t iterations) {
   const __m256i x = _mm256_set1_epi16(3), y = _mm256_set1_epi16(-2);

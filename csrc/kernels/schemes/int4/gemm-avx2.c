@@ -2,7 +2,7 @@
  * AVX2 micro-kernels for INT4 W4A8 (contracts: common/ukernels.h, layout: common/int4.h):
  * unpacking packed blocks into s8 VNNI-4 tiles of w - zero, and the per-block fold of the
  * exact int32 sums into the fp32 tile. The integer GEMM between them is the INT8 tier's
- * (int8/gemm-avx2.c, exact int16 widening), so this tier has no in-register decode path.
+ * (schemes/int8/gemm-avx2.c, exact int16 widening), so this tier has no in-register decode path.
  *
  * Unpacking: the first 32 bytes of a packed k-quad are dword lanes 0..7, whose low nibbles
  * are columns 0..7 and high nibbles columns 8..15; the next 32 bytes give columns 16..23
