@@ -19,6 +19,7 @@ from pathlib import Path
 from kernel_build import BASE_CFLAGS, INCLUDE, KERNELS, ROOT, compile_command, kernel_sources
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g", "-O1",
+            "-DCPUMOE_CHECK_PRECONDITIONS",
             "-fno-omit-frame-pointer"]
 DRIVER_SOURCES = sorted((ROOT / "tests" / "c").glob("*.c"))
 

@@ -2,22 +2,22 @@
 
 Shared by setup.py (kernel objects of the extension) and tools/build_c_tests.py (the same
 objects with sanitizers, for the C test driver), so that both compile every file with
-exactly its tier's flags. The tier is chosen by the file name suffix:
-
-    *-scalar.c   baseline x86-64 (no flags beyond it)
-    *-avx2.c     -mavx2 -mfma -mf16c
-    *-avx512.c   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni (+ avx2 flags)
-    other *.c    baseline (pipeline, packers, dispatch: must run on any x86-64)
+exactly its tier's flags. The tiers, their parents and their flags come from the tier list
+csrc/include/cpumoe/tiers.h (written once, also read by the C code). A file's tier is its
+name's suffix, `*-<tier>.c`; files without a tier suffix (pipeline, packers, dispatch) get
+baseline x86-64 flags: they must run on any x86-64 CPU.
 
 Never -march tuned to the build host: the same binary runs on any x86-64 CPU and picks its
 tier at run time.
 """
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "csrc" / "kernels"
 INCLUDE = ROOT / "csrc" / "include"
+TIER_LIST = INCLUDE / "cpumoe" / "tiers.h"
 
 BASE_CFLAGS = [
     "-std=c11", "-O3", "-fPIC", "-fvisibility=hidden",
@@ -26,20 +26,45 @@ BASE_CFLAGS = [
     "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
     "-march=x86-64", "-mtune=generic",
 ]
-TIER_FLAGS = {
-    "scalar": [],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mavx512vnni", "-mprefer-vector-width=512"],
-}
+
+_TIER_ROW = re.compile(
+    r'^\s*X\((?P<enum>\w+),\s*(?P<name>\w+),\s*(?P<id>\d+),\s*(?P<parent>\w+),\s*'
+    r'"(?P<numerics>[^"]*)",\s*"(?P<flags>[^"]*)",', re.M)
+
+
+def read_tiers(path: Path = TIER_LIST):
+    """The rows of the tier list in rank order (worst first): dicts with enum, name, id,
+    parent, numerics, and flags = the tier's own flags plus its ancestors'."""
+    rows = [m.groupdict() for m in _TIER_ROW.finditer(path.read_text())]
+    if not rows:
+        raise RuntimeError(f"no tier rows found in {path}")
+    by_name = {}
+    for row in rows:
+        row["id"] = int(row["id"])
+        own = row["flags"].split()
+        if row["parent"] == row["name"]:
+            row["flags"] = own
+        elif row["parent"] in by_name:
+            row["flags"] = by_name[row["parent"]]["flags"] + own
+        else:
+            raise RuntimeError(f"{path}: tier {row['name']} comes before its parent {row['parent']}")
+        by_name[row["name"]] = row
+    return rows
+
+
+TIERS = read_tiers()
+TIER_NAMES = [row["name"] for row in TIERS]
+BASELINE_TIER = TIERS[0]["name"]
+TIER_FLAGS = {row["name"]: row["flags"] for row in TIERS}
 
 
 def tier_of(path: Path) -> str:
-    stem = path.stem
-    for tier in ("avx512", "avx2", "scalar"):
-        if stem.endswith("-" + tier):
-            return tier
-    return "scalar"
+    """The tier whose flags compile `path`: its `-<tier>` suffix, else the baseline."""
+    stem = Path(path).stem
+    for name in TIER_NAMES:
+        if stem.endswith("-" + name):
+            return name
+    return BASELINE_TIER
 
 
 def kernel_sources():
@@ -48,7 +73,7 @@ def kernel_sources():
 
 def kernel_dependencies(src: Path):
     """Files whose change makes the object of `src` stale."""
-    return [src, *KERNELS.rglob("*.h"), INCLUDE / "cpumoe" / "cpumoe.h"]
+    return [src, *KERNELS.rglob("*.h"), *(INCLUDE / "cpumoe").glob("*.h")]
 
 
 def compile_command(cc: str, src: Path, obj: Path, extra_flags=()):

@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpumoe/tiers.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -59,13 +61,16 @@ typedef enum cpumoe_activation {
   CPUMOE_ACT_SWIGLU_CLAMP = 1,
 } cpumoe_activation;
 
-/* ISA tiers, best last. A tier is usable when the CPU has every feature it
- * needs, the OS saves the register state, and the library was built with it. */
+/* ISA tiers (the list and their ids: cpumoe/tiers.h). A tier is usable when the CPU has
+ * every feature it and its ancestors need and the OS saves their register state. */
 typedef enum cpumoe_isa {
-  CPUMOE_ISA_SCALAR = 0, /* portable C, baseline x86-64 */
-  CPUMOE_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
-  CPUMOE_ISA_AVX512 = 2, /* AVX-512 F/BW/VL/DQ + VNNI */
-  CPUMOE_ISA_COUNT = 3,
+#define CPUMOE_ISA_ENUMERATOR(ENUM, name, id, ...) CPUMOE_ISA_##ENUM = id,
+  CPUMOE_FOR_EACH_TIER(CPUMOE_ISA_ENUMERATOR)
+#undef CPUMOE_ISA_ENUMERATOR
+#define CPUMOE_ISA_PLUS_ONE(...) +1
+  /* the number of tiers; also what cpumoe_isa_from_name returns for an unknown name */
+  CPUMOE_ISA_COUNT = 0 CPUMOE_FOR_EACH_TIER(CPUMOE_ISA_PLUS_ONE),
+#undef CPUMOE_ISA_PLUS_ONE
 } cpumoe_isa;
 
 /* ---- threads ---------------------------------------------------------------
@@ -189,10 +194,11 @@ int64_t cpumoe_int4_block_k(int64_t group);
 /* ---- ISA ------------------------------------------------------------------------*/
 cpumoe_isa cpumoe_active_isa(void);          /* tier the ops use */
 cpumoe_isa cpumoe_best_supported_isa(void);  /* best tier this CPU and build can run */
-const char *cpumoe_isa_name(cpumoe_isa isa); /* "scalar", "avx2", "avx512" */
+const char *cpumoe_isa_name(cpumoe_isa isa); /* "scalar", "avx2", ... (cpumoe/tiers.h) */
 /* Parses a tier name; returns CPUMOE_ISA_COUNT for an unknown name. */
 cpumoe_isa cpumoe_isa_from_name(const char *name);
-/* Caps the active tier at `isa` (min with the best supported). */
+/* Caps the active tier at `isa`: the active tier becomes `isa` if this CPU supports it,
+ * else its nearest supported ancestor (cpumoe/tiers.h). */
 cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa);
 /* 1 when this CPU runs the tier's instructions itself (cpuid + xgetbv), else 0. A build
  * of the core made for testing with CPUMOE_EMULATE_TIERS (tools/build_c_tests.py) runs the

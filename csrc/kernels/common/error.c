@@ -17,3 +17,15 @@ cpumoe_status cm_fail(cpumoe_status status, const char *fmt, ...) {
 const char *cpumoe_last_error(void) {
   return cm_error_message;
 }
+
+#ifdef CPUMOE_CHECK_PRECONDITIONS
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/ukernels.h"
+
+void cm_precondition_failed(const char *condition, const char *file, int line) {
+  fprintf(stderr, "cpumoe: kernel precondition failed: %s (%s:%d)\n", condition, file, line);
+  abort();
+}
+#endif

@@ -167,11 +167,66 @@ typedef float (*cm_absmax_fn)(size_t n, const float *x, float m);
 /* q[i] = 128 + clamp(round_half_even(x[i] * inv_scale), -127, 127) */
 typedef void (*cm_quantize_u8_fn)(size_t n, const float *x, float inv_scale, uint8_t *q);
 
-typedef struct cm_ukernels {
-  cpumoe_isa isa;
-  size_t mr;                   /* rows per A panel for the gemm micro-kernels (<= CM_MR_MAX) */
+/* ---- what a tier provides -----------------------------------------------------------
+ * Kernels are grouped by who calls them: the elementwise kernels every scheme shares, the
+ * roofline probes, and per scheme the GEMM kernels of its hooks (schemes/<name>/scheme.c).
+ * A tier's table (dispatch/config.c) starts from its parent's and overrides only what the
+ * tier improves. */
+
+/* How the rows of a panel are laid out for a scheme's GEMM kernels (the A operand);
+ * moe/panels.c packs each format. */
+typedef enum cm_panel_format {
+  CM_PANEL_F32 = 0,      /* fp32 [k][rows] */
+  CM_PANEL_U8_QUADS = 1, /* u8 [k/4][rows][4] holding q + 128, q the row quantized to int8
+                          * per row (scale per row) */
+  CM_PANEL_U8_QUADS_BLOCK_SUMS = 2, /* the same, plus int32 [blocks][rows]: each row's sum of
+                                     * q over each of the scheme's reduction blocks */
+  CM_PANEL_FORMAT_COUNT = 3,
+} cm_panel_format;
+
+typedef struct cm_unquant_kernels {
   cm_gemm_f32acc_fn gemm_bf16; /* B tile of bf16 weights */
   cm_gemm_f32acc_fn gemm_f16;  /* B tile of fp16 weights */
+} cm_unquant_kernels;
+
+typedef struct cm_int8_kernels {
+  cm_gemm_u8s8_fn gemm;
+  cm_dequant_u8s8_fn dequant;
+} cm_int8_kernels;
+
+typedef struct cm_fp8_kernels {
+  cm_gemm_fp8_fn gemm_decode;  /* few rows: e4m3 decoded in registers */
+  cm_fp8_to_f32_fn to_f32;     /* more rows: a chunk decoded once ... */
+  cm_gemm_f32b_fn gemm_f32b;   /* ... multiplied by every panel ... */
+  cm_fp8_fold_fn fold;         /* ... and folded in with the block scale */
+} cm_fp8_kernels;
+
+typedef struct cm_int4_kernels {
+  cm_gemm_int4_fn gemm_decode; /* few rows, nibbles in registers; NULL: always unpack */
+  cm_int4_unpack_fn unpack;    /* more rows: blocks unpacked once to s8 VNNI-4 ... */
+  cm_gemm_u8s8_fn gemm_u8s8;   /* ... multiplied by every panel ... */
+  cm_int4_dequant_fn dequant;  /* ... and folded in per block with the group scale */
+} cm_int4_kernels;
+
+/* One (scheme, tier) pair: the GEMM kernels and the tile they are written for. */
+typedef struct cm_gemm_config {
+  size_t mr;                 /* rows per A panel: at most the kernels' tile rows, CM_MR_MAX */
+  size_t nr;                 /* columns per B tile and C tile: CM_NR */
+  size_t kr;                 /* k values interleaved per B column: 2 (VNNI-2) or 4 (VNNI-4) */
+  cm_panel_format a_format;  /* the A panels the kernels read */
+  /* Blocks of up to this many rows take the scheme's decode kernel (weights expanded in
+   * registers, read once); larger ones decode each weight chunk once for all their panels.
+   * 0: no decode kernel. Not above the decode kernel's own tile rows. */
+  size_t decode_max_rows;
+  union {
+    cm_unquant_kernels unquant;
+    cm_int8_kernels int8;
+    cm_fp8_kernels fp8;
+    cm_int4_kernels int4;
+  } kernels;                 /* the member of the config's scheme */
+} cm_gemm_config;
+
+typedef struct cm_elementwise_kernels {
   cm_silu_mul_fn silu_mul;
   cm_swiglu_fn swiglu;
   cm_widen_fn widen_bf16, widen_f16;
@@ -180,67 +235,97 @@ typedef struct cm_ukernels {
   cm_axpy_fn axpy;
   cm_bias_scale_fn bias_scale;
   cm_bias_scale_fn bias_scale_stream;
-  cm_gemm_u8s8_fn gemm_u8s8; /* INT8 W8A8 */
-  cm_dequant_u8s8_fn dequant_u8s8;
-  cm_gemm_fp8_fn gemm_fp8; /* FP8 W8A16 */
-  cm_fp8_to_f32_fn fp8_to_f32;
-  cm_gemm_f32b_fn gemm_f32b;
-  cm_fp8_fold_fn fp8_fold;
-  cm_gemm_int4_fn gemm_int4; /* INT4 W4A8; NULL: the tier always unpacks */
-  cm_int4_unpack_fn int4_unpack;
-  cm_int4_dequant_fn int4_dequant;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
-  /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop */
-  double (*probe_read)(const void *buffer, size_t bytes);
-  double (*probe_fma)(int64_t iterations);
-  double (*probe_int8)(int64_t iterations); /* u8*s8 multiply-adds at the tier's peak */
-} cm_ukernels;
+} cm_elementwise_kernels;
 
-/* The table for the active tier (dispatch/config.c). */
-const cm_ukernels *cm_active_ukernels(void);
+/* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop; of the
+ * tier's u8*s8 multiply-add loop */
+typedef struct cm_probe_kernels {
+  double (*read)(const void *buffer, size_t bytes);
+  double (*fma)(int64_t iterations);
+  double (*int8)(int64_t iterations);
+} cm_probe_kernels;
 
-/* Per-tier symbols. Elementwise kernels come from one generic source
- * (elementwise/elementwise-impl.h) compiled once per tier. */
-#define CM_DECLARE_ELEMENTWISE(tier)                                                              \
-  void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                        \
-  void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);            \
-  void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                                  \
-  void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                                   \
-  void cm_narrow_bf16__##tier(size_t, const float *, uint16_t *);                                 \
-  void cm_narrow_f16__##tier(size_t, const float *, uint16_t *);                                  \
-  void cm_round_bf16__##tier(size_t, float *);                                                    \
-  void cm_round_f16__##tier(size_t, float *);                                                     \
-  void cm_axpy__##tier(size_t, float, const float *, float *);                                    \
-  void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);               \
-  void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *);        \
-  float cm_absmax__##tier(size_t, const float *, float);                                          \
-  void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                           \
+#define CM_SCHEME_COUNT 4 /* moe_comp_method values 0..3 (cpumoe_scheme) */
+
+typedef struct cm_tier_config {
+  cpumoe_isa isa;
+  cm_elementwise_kernels elementwise;
+  cm_probe_kernels probes;
+  cm_gemm_config gemm[CM_SCHEME_COUNT]; /* by cpumoe_scheme */
+} cm_tier_config;
+
+/* The table of the active tier (dispatch/config.c). */
+const cm_tier_config *cm_active_config(void);
+
+/* Per-tier symbols, one group per kind of kernel; a tier defines the groups it overrides.
+ * Elementwise kernels come from one generic source (elementwise/elementwise-impl.h)
+ * compiled once per tier. */
+#define CM_DECLARE_ELEMENTWISE(tier)                                                       \
+  void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                 \
+  void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);     \
+  void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                           \
+  void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                            \
+  void cm_narrow_bf16__##tier(size_t, const float *, uint16_t *);                          \
+  void cm_narrow_f16__##tier(size_t, const float *, uint16_t *);                           \
+  void cm_round_bf16__##tier(size_t, float *);                                             \
+  void cm_round_f16__##tier(size_t, float *);                                              \
+  void cm_axpy__##tier(size_t, float, const float *, float *);                             \
+  void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);        \
+  void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *); \
+  float cm_absmax__##tier(size_t, const float *, float);                                   \
+  void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \
+  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);
+#define CM_DECLARE_PROBES(tier)                              \
+  double cm_probe_read_chunk__##tier(const void *, size_t); \
+  double cm_probe_fma_loop__##tier(int64_t);                \
+  double cm_probe_int8_loop__##tier(int64_t);
+#define CM_DECLARE_UNQUANT(tier)                                                                   \
+  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
+                                         float *);                                                 \
+  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
+                                        float *);
+#define CM_DECLARE_INT8(tier)                                                                     \
   void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
                                          int32_t *, int, cm_prefetch);                            \
   void cm_u8s8_dequant_mrx32__##tier(size_t, const int32_t *, const int8_t *, const float *,      \
-                                     const float *, float *);                                     \
-  void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *,   \
-                                        const float *, float *, int);                             \
-  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, float *);                                   \
-  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);                   \
-  void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,     \
-                                        float *, int);                                            \
-  double cm_probe_int8_loop__##tier(int64_t);                                                     \
-  void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                    \
-  void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *,     \
-                                     float *, int);                                               \
-  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
-                                         float *);                                                \
-  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
-                                        float *);                                                 \
-  double cm_probe_read_chunk__##tier(const void *, size_t);                                       \
-  double cm_probe_fma_loop__##tier(int64_t);
+                                     const float *, float *);
+#define CM_DECLARE_FP8(tier)                                                                    \
+  void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *, \
+                                        const float *, float *, int);                           \
+  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, float *);                                 \
+  void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,   \
+                                        float *, int);
+#define CM_DECLARE_INT4(tier)                                                                 \
+  void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                \
+  void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *, \
+                                     float *, int);
+#define CM_DECLARE_INT4_DECODE(tier)                                                          \
+  void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t,       \
+                                         const uint8_t *, size_t, const int32_t *, float *, int);
 
-CM_DECLARE_ELEMENTWISE(scalar)
-CM_DECLARE_ELEMENTWISE(avx2)
-CM_DECLARE_ELEMENTWISE(avx512)
-void cm_int4_gemm_f32acc_mrx32__avx512(size_t, const cm_int4_tile *, size_t, size_t,
-                                       const uint8_t *, size_t, const int32_t *, float *, int);
+#define CM_DECLARE_ALL_KERNELS(tier) \
+  CM_DECLARE_ELEMENTWISE(tier)       \
+  CM_DECLARE_PROBES(tier)            \
+  CM_DECLARE_UNQUANT(tier)           \
+  CM_DECLARE_INT8(tier)              \
+  CM_DECLARE_FP8(tier)               \
+  CM_DECLARE_INT4(tier)
+
+CM_DECLARE_ALL_KERNELS(scalar)
+CM_DECLARE_ALL_KERNELS(avx2)
+CM_DECLARE_ALL_KERNELS(avx512)
+CM_DECLARE_INT4_DECODE(avx512)
+
+/* Preconditions of a kernel, checked in test builds (CPUMOE_CHECK_PRECONDITIONS, set by
+ * tools/build_c_tests.py) and compiled out otherwise: a violation there aborts with the
+ * condition and its place instead of computing something else (e.g. fewer rows). */
+#ifdef CPUMOE_CHECK_PRECONDITIONS
+void cm_precondition_failed(const char *condition, const char *file, int line);
+#define CM_EXPECT(cond) ((cond) ? (void)0 : cm_precondition_failed(#cond, __FILE__, __LINE__))
+#else
+#define CM_EXPECT(cond) ((void)0)
+#endif
 
 #endif /* CPUMOE_COMMON_UKERNELS_H */

@@ -1,10 +1,14 @@
 /*
- * The micro-kernel table of each tier and the choice of the active one.
+ * Each tier's kernel table, and the choice of the active tier.
  *
- * The best tier the CPU supports is found once (cpuid + xgetbv); the environment
- * variable CPUMOE_ISA=scalar|avx2|avx512 caps it at load, cpumoe_set_isa_cap at
- * run time. Only function pointers live here: nothing tier-specific executes in
- * this baseline-compiled file.
+ * Tables are built once, in rank order (cpumoe/tiers.h): a tier's table starts as a copy
+ * of its parent's and its override function below replaces only the kernels the tier
+ * improves (BLIS's cntx_init pattern), so a tier may speed up one scheme and inherit the
+ * rest. The scalar tier fills every slot: the portable defaults.
+ *
+ * The best tier the CPU supports is found once (cpuid + xgetbv); the environment variable
+ * CPUMOE_ISA=<tier> caps it at load, cpumoe_set_isa_cap at run time. Only function
+ * pointers live here: nothing tier-specific executes in this baseline-compiled file.
  */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -16,12 +20,16 @@
 #include "common/ukernels.h"
 #include "dispatch/cpuinfo.h"
 
-#define CM_TABLE(tier, tier_enum, mr_rows, int4_gemm)    \
-  {                                                      \
-      .isa = tier_enum,                                  \
-      .mr = mr_rows,                                     \
-      .gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier,    \
-      .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier,      \
+/* Rows of each tier's GEMM register tile (the register budget: common/tile-<tier>.h). */
+#define CM_TILE_MR_SCALAR 4
+#define CM_TILE_MR_AVX2 4
+#define CM_TILE_MR_AVX512 12
+/* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
+ * accumulators beside the weights they expand in registers. */
+#define CM_DECODE_MAX_ROWS 4
+
+#define CM_ELEMENTWISE_KERNELS(tier)                     \
+  ((cm_elementwise_kernels){                             \
       .silu_mul = cm_silu_mul__##tier,                   \
       .swiglu = cm_swiglu__##tier,                       \
       .widen_bf16 = cm_widen_bf16__##tier,               \
@@ -33,37 +41,115 @@
       .axpy = cm_axpy__##tier,                           \
       .bias_scale = cm_bias_scale__##tier,               \
       .bias_scale_stream = cm_bias_scale_stream__##tier, \
-      .probe_read = cm_probe_read_chunk__##tier,         \
-      .probe_fma = cm_probe_fma_loop__##tier,            \
-      .probe_int8 = cm_probe_int8_loop__##tier,          \
-      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier,    \
-      .dequant_u8s8 = cm_u8s8_dequant_mrx32__##tier,     \
-      .gemm_fp8 = cm_fp8_gemm_f32acc_mrx32__##tier,      \
-      .fp8_to_f32 = cm_fp8_to_f32__##tier,               \
-      .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,     \
-      .fp8_fold = cm_fp8_fold__##tier,                   \
-      .gemm_int4 = int4_gemm,                            \
-      .int4_unpack = cm_int4_unpack__##tier,             \
-      .int4_dequant = cm_int4_dequant_mrx32__##tier,     \
       .absmax = cm_absmax__##tier,                       \
       .quantize_u8 = cm_quantize_u8__##tier,             \
-  }
+  })
+#define CM_PROBE_KERNELS(tier)                                                               \
+  ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, .fma = cm_probe_fma_loop__##tier, \
+                      .int8 = cm_probe_int8_loop__##tier})
+#define CM_UNQUANT_KERNELS(tier)                                         \
+  ((cm_unquant_kernels){.gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier, \
+                        .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier})
+#define CM_INT8_KERNELS(tier)                                   \
+  ((cm_int8_kernels){.gemm = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+                     .dequant = cm_u8s8_dequant_mrx32__##tier})
+#define CM_FP8_KERNELS(tier)                                         \
+  ((cm_fp8_kernels){.gemm_decode = cm_fp8_gemm_f32acc_mrx32__##tier, \
+                    .to_f32 = cm_fp8_to_f32__##tier,                 \
+                    .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,   \
+                    .fold = cm_fp8_fold__##tier})
+/* INT4 without a decode kernel: every block unpacks, then runs the tier's u8 x s8 GEMM */
+#define CM_INT4_UNPACK_KERNELS(tier)                                  \
+  ((cm_int4_kernels){.gemm_decode = NULL,                             \
+                     .unpack = cm_int4_unpack__##tier,                \
+                     .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+                     .dequant = cm_int4_dequant_mrx32__##tier})
 
-/* Rows per A panel: what each tier's GEMM tile holds (see the kernel headers). Only avx512
- * decodes INT4 in registers; the other tiers take the unpack path for every block. */
-static const cm_ukernels cm_tables[CPUMOE_ISA_COUNT] = {
-    [CPUMOE_ISA_SCALAR] = CM_TABLE(scalar, CPUMOE_ISA_SCALAR, 4, NULL),
-    [CPUMOE_ISA_AVX2] = CM_TABLE(avx2, CPUMOE_ISA_AVX2, 4, NULL),
-    [CPUMOE_ISA_AVX512] =
-        CM_TABLE(avx512, CPUMOE_ISA_AVX512, 12, cm_int4_gemm_f32acc_mrx32__avx512),
+/* ---- each tier's overrides ---- */
+
+/* The portable defaults: every slot. */
+static void cm_config_init__scalar(cm_tier_config *c) {
+  c->elementwise = CM_ELEMENTWISE_KERNELS(scalar);
+  c->probes = CM_PROBE_KERNELS(scalar);
+  c->gemm[CPUMOE_SCHEME_UNQUANT] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
+                                                    .nr = CM_NR,
+                                                    .kr = 2,
+                                                    .a_format = CM_PANEL_F32,
+                                                    .kernels.unquant = CM_UNQUANT_KERNELS(scalar)};
+  c->gemm[CPUMOE_SCHEME_INT8_W8A8] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
+                                                      .nr = CM_NR,
+                                                      .kr = 4,
+                                                      .a_format = CM_PANEL_U8_QUADS,
+                                                      .kernels.int8 = CM_INT8_KERNELS(scalar)};
+  c->gemm[CPUMOE_SCHEME_FP8_W8A16] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
+                                                      .nr = CM_NR,
+                                                      .kr = 2,
+                                                      .a_format = CM_PANEL_F32,
+                                                      .decode_max_rows = CM_DECODE_MAX_ROWS,
+                                                      .kernels.fp8 = CM_FP8_KERNELS(scalar)};
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8] =
+      (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
+                       .nr = CM_NR,
+                       .kr = 4,
+                       .a_format = CM_PANEL_U8_QUADS,
+                       .kernels.int4 = CM_INT4_UNPACK_KERNELS(scalar)};
+}
+
+static void cm_config_init__avx2(cm_tier_config *c) {
+  c->elementwise = CM_ELEMENTWISE_KERNELS(avx2);
+  c->probes = CM_PROBE_KERNELS(avx2);
+  c->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(avx2);
+  c->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(avx2);
+  c->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(avx2);
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(avx2);
+  for (int s = 0; s < CM_SCHEME_COUNT; s++) c->gemm[s].mr = CM_TILE_MR_AVX2;
+}
+
+static void cm_config_init__avx512(cm_tier_config *c) {
+  c->elementwise = CM_ELEMENTWISE_KERNELS(avx512);
+  c->probes = CM_PROBE_KERNELS(avx512);
+  c->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(avx512);
+  c->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(avx512);
+  c->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(avx512);
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(avx512);
+  /* decode expands nibbles in registers and needs each row's sums per block */
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8].a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
+  c->gemm[CPUMOE_SCHEME_INT4_W4A8].decode_max_rows = CM_DECODE_MAX_ROWS;
+  for (int s = 0; s < CM_SCHEME_COUNT; s++) c->gemm[s].mr = CM_TILE_MR_AVX512;
+}
+
+/* ---- the tier list (cpumoe/tiers.h) as tables ---- */
+
+typedef struct cm_tier_row {
+  const char *name, *parent, *numerics;
+  uint64_t features; /* beyond the parent's */
+  void (*init)(cm_tier_config *c);
+} cm_tier_row;
+
+static const cm_tier_row cm_tier_rows[CPUMOE_ISA_COUNT] = {
+#define CM_TIER_ROW(ENUM, name, id, parent, numerics, flags, features) \
+  [id] = {#name, #parent, numerics, features, cm_config_init__##name},
+    CPUMOE_FOR_EACH_TIER(CM_TIER_ROW)
+#undef CM_TIER_ROW
 };
 
-static const char *const cm_isa_names[CPUMOE_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+/* Tiers in rank order, worst first (the rows' order; ids need not follow it). */
+static const cpumoe_isa cm_tier_rank[CPUMOE_ISA_COUNT] = {
+#define CM_TIER_ID(ENUM, ...) CPUMOE_ISA_##ENUM,
+    CPUMOE_FOR_EACH_TIER(CM_TIER_ID)
+#undef CM_TIER_ID
+};
+
+static cpumoe_isa parent_of(cpumoe_isa isa) {
+  return cpumoe_isa_from_name(cm_tier_rows[isa].parent);
+}
 
 typedef struct cm_dispatch_state {
-  cm_cpu_features features;
-  cpumoe_isa native; /* best tier the CPU runs itself */
-  cpumoe_isa best;   /* = native, or every tier in an emulating test build */
+  uint64_t features;
+  unsigned native_mask; /* bit t: the CPU runs tier t itself */
+  cpumoe_isa best;      /* best tier the CPU runs, or every tier in an emulating test build */
+  cm_tier_config configs[CPUMOE_ISA_COUNT];
   char features_text[256];
 } cm_dispatch_state;
 
@@ -72,43 +158,48 @@ static atomic_int cm_state_ready; /* 0: not probed, 1: probing, 2: ready */
 static atomic_int cm_active = -1; /* active tier, -1 until chosen */
 static char cm_reason[160];
 
-static void append_feature(char *text, size_t size, int present, const char *name) {
-  if (!present) return;
-  size_t len = strlen(text);
-  snprintf(text + len, size - len, "%s%s", len ? " " : "", name);
+static void build_state(cm_dispatch_state *st) {
+  static const struct {
+    uint64_t bit;
+    const char *name;
+  } feature_names[] = {
+#define CM_FEATURE_NAME(id, name) {CM_FEATURE(id), name},
+      CM_FOR_EACH_CPU_FEATURE(CM_FEATURE_NAME)
+#undef CM_FEATURE_NAME
+  };
+  st->features = cm_detect_cpu_features();
+  char *t = st->features_text;
+  t[0] = '\0';
+  for (size_t i = 0; i < sizeof feature_names / sizeof feature_names[0]; i++)
+    if (st->features & feature_names[i].bit) {
+      const size_t len = strlen(t);
+      snprintf(t + len, sizeof st->features_text - len, "%s%s", len ? " " : "",
+               feature_names[i].name);
+    }
+  /* rank order visits a parent before its children */
+  for (int r = 0; r < CPUMOE_ISA_COUNT; r++) {
+    const cpumoe_isa isa = cm_tier_rank[r], parent = parent_of(isa);
+    const cm_tier_row *row = &cm_tier_rows[isa];
+    const int parent_native = isa == parent || ((st->native_mask >> parent) & 1);
+    if (parent_native && (st->features & row->features) == row->features) {
+      st->native_mask |= 1u << isa;
+      st->best = isa;
+    }
+    cm_tier_config *c = &st->configs[isa];
+    if (isa != parent) *c = st->configs[parent];
+    row->init(c);
+    c->isa = isa;
+  }
+#ifdef CPUMOE_EMULATE_TIERS
+  st->best = cm_tier_rank[CPUMOE_ISA_COUNT - 1];
+#endif
 }
 
 static const cm_dispatch_state *dispatch_state(void) {
   if (atomic_load(&cm_state_ready) == 2) return &cm_state;
   int expected = 0;
   if (atomic_compare_exchange_strong(&cm_state_ready, &expected, 1)) {
-    cm_cpu_features f = cm_detect_cpu_features();
-    cm_state.features = f;
-    cm_state.native = cm_cpu_supports_avx512_tier(&f) ? CPUMOE_ISA_AVX512
-                      : cm_cpu_supports_avx2_tier(&f) ? CPUMOE_ISA_AVX2
-                                                      : CPUMOE_ISA_SCALAR;
-#ifdef CPUMOE_EMULATE_TIERS
-    cm_state.best = (cpumoe_isa)(CPUMOE_ISA_COUNT - 1);
-#else
-    cm_state.best = cm_state.native;
-#endif
-    char *t = cm_state.features_text;
-    const size_t n = sizeof cm_state.features_text;
-    t[0] = '\0';
-    append_feature(t, n, f.avx && f.os_avx, "avx");
-    append_feature(t, n, f.avx2 && f.os_avx, "avx2");
-    append_feature(t, n, f.fma && f.os_avx, "fma");
-    append_feature(t, n, f.f16c && f.os_avx, "f16c");
-    append_feature(t, n, f.avx512f && f.os_avx512, "avx512f");
-    append_feature(t, n, f.avx512dq && f.os_avx512, "avx512dq");
-    append_feature(t, n, f.avx512bw && f.os_avx512, "avx512bw");
-    append_feature(t, n, f.avx512vl && f.os_avx512, "avx512vl");
-    append_feature(t, n, f.avx512vnni && f.os_avx512, "avx512vnni");
-    append_feature(t, n, f.avx512bf16 && f.os_avx512, "avx512bf16");
-    append_feature(t, n, f.avx512fp16 && f.os_avx512, "avx512fp16");
-    append_feature(t, n, f.amx_tile && f.os_amx, "amx-tile");
-    append_feature(t, n, f.amx_bf16 && f.os_amx, "amx-bf16");
-    append_feature(t, n, f.amx_int8 && f.os_amx, "amx-int8");
+    build_state(&cm_state);
     atomic_store(&cm_state_ready, 2);
   } else {
     while (atomic_load(&cm_state_ready) != 2) {
@@ -117,26 +208,41 @@ static const cm_dispatch_state *dispatch_state(void) {
   return &cm_state;
 }
 
+/* A tier the build can run: the CPU's own, or any in an emulating test build. */
+static int supported(cpumoe_isa isa) {
+#ifdef CPUMOE_EMULATE_TIERS
+  (void)isa;
+  return 1;
+#else
+  return cpumoe_isa_native(isa);
+#endif
+}
+
+/* `cap` if it is supported, else its nearest supported ancestor. */
+static cpumoe_isa capped(cpumoe_isa cap) {
+  while (!supported(cap)) cap = parent_of(cap);
+  return cap;
+}
+
 static cpumoe_isa choose_active(void) {
   const cpumoe_isa best = dispatch_state()->best;
+  const char *best_name = cpumoe_isa_name(best);
   cpumoe_isa chosen = best;
   const char *env = getenv("CPUMOE_ISA");
   if (env && *env) {
     const cpumoe_isa cap = cpumoe_isa_from_name(env);
     if (cap == CPUMOE_ISA_COUNT) {
       snprintf(cm_reason, sizeof cm_reason,
-               "%s (best supported; CPUMOE_ISA=%s is not a tier name, ignored)", cm_isa_names[best],
-               env);
-    } else if (cap < best) {
-      chosen = cap;
+               "%s (best supported; CPUMOE_ISA=%s is not a tier name, ignored)", best_name, env);
+    } else if ((chosen = capped(cap)) != best) {
       snprintf(cm_reason, sizeof cm_reason, "%s (capped by CPUMOE_ISA=%s; best supported: %s)",
-               cm_isa_names[chosen], env, cm_isa_names[best]);
+               cpumoe_isa_name(chosen), env, best_name);
     } else {
       snprintf(cm_reason, sizeof cm_reason, "%s (best supported; CPUMOE_ISA=%s allows it)",
-               cm_isa_names[best], env);
+               best_name, env);
     }
   } else {
-    snprintf(cm_reason, sizeof cm_reason, "%s (best supported by this CPU)", cm_isa_names[best]);
+    snprintf(cm_reason, sizeof cm_reason, "%s (best supported by this CPU)", best_name);
   }
   return chosen;
 }
@@ -152,8 +258,8 @@ cpumoe_isa cpumoe_active_isa(void) {
   return (cpumoe_isa)active;
 }
 
-const cm_ukernels *cm_active_ukernels(void) {
-  return &cm_tables[cpumoe_active_isa()];
+const cm_tier_config *cm_active_config(void) {
+  return &dispatch_state()->configs[cpumoe_active_isa()];
 }
 
 cpumoe_isa cpumoe_best_supported_isa(void) {
@@ -161,38 +267,37 @@ cpumoe_isa cpumoe_best_supported_isa(void) {
 }
 
 const char *cpumoe_isa_name(cpumoe_isa isa) {
-  return (unsigned)isa < CPUMOE_ISA_COUNT ? cm_isa_names[isa] : "unknown";
+  return (unsigned)isa < CPUMOE_ISA_COUNT ? cm_tier_rows[isa].name : "unknown";
 }
 
 cpumoe_isa cpumoe_isa_from_name(const char *name) {
   for (int i = 0; i < CPUMOE_ISA_COUNT; i++)
-    if (name && strcmp(name, cm_isa_names[i]) == 0) return (cpumoe_isa)i;
+    if (name && strcmp(name, cm_tier_rows[i].name) == 0) return (cpumoe_isa)i;
   return CPUMOE_ISA_COUNT;
+}
+
+int cpumoe_isa_native(cpumoe_isa isa) {
+  return (unsigned)isa < CPUMOE_ISA_COUNT && ((dispatch_state()->native_mask >> isa) & 1);
+}
+
+const char *cpumoe_isa_numerics(cpumoe_isa isa) {
+  return (unsigned)isa < CPUMOE_ISA_COUNT ? cm_tier_rows[isa].numerics : NULL;
 }
 
 cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa) {
   if ((unsigned)isa >= CPUMOE_ISA_COUNT)
-    return cm_fail(CPUMOE_EINVAL, "unknown ISA tier %d (expected scalar, avx2 or avx512)",
-                   (int)isa);
+    return cm_fail(CPUMOE_EINVAL, "unknown ISA tier %d (expected 0..%d; see cpumoe_isa_name)",
+                   (int)isa, CPUMOE_ISA_COUNT - 1);
   const cpumoe_isa best = cpumoe_best_supported_isa();
-  const cpumoe_isa chosen = isa < best ? isa : best;
-  if (isa > best)
+  const cpumoe_isa chosen = capped(isa);
+  if (chosen != isa)
     snprintf(cm_reason, sizeof cm_reason, "%s (requested %s, which this CPU cannot run)",
-             cm_isa_names[chosen], cm_isa_names[isa]);
+             cpumoe_isa_name(chosen), cpumoe_isa_name(isa));
   else
     snprintf(cm_reason, sizeof cm_reason, "%s (set by cpumoe.set_isa; best supported: %s)",
-             cm_isa_names[chosen], cm_isa_names[best]);
+             cpumoe_isa_name(chosen), cpumoe_isa_name(best));
   atomic_store(&cm_active, (int)chosen);
   return CPUMOE_OK;
-}
-
-int cpumoe_isa_native(cpumoe_isa isa) {
-  return (unsigned)isa < CPUMOE_ISA_COUNT && isa <= dispatch_state()->native;
-}
-
-const char *cpumoe_isa_numerics(cpumoe_isa isa) {
-  /* every tier so far: one sequential fp32 FMA chain per output, exact integer sums */
-  return (unsigned)isa < CPUMOE_ISA_COUNT ? "fp32-chain" : NULL;
 }
 
 const char *cpumoe_isa_reason(void) {
@@ -215,16 +320,16 @@ typedef struct probe_job {
 
 static void probe_read_worker(void *arg, int64_t w) {
   probe_job *job = (probe_job *)arg;
-  const cm_ukernels *uk = cm_active_ukernels();
+  const cm_probe_kernels *probes = &cm_active_config()->probes;
   double s = 0;
   for (int64_t p = 0; p < job->passes; p++)
-    s += uk->probe_read(job->buffer + (size_t)w * job->bytes_per_worker, job->bytes_per_worker);
+    s += probes->read(job->buffer + (size_t)w * job->bytes_per_worker, job->bytes_per_worker);
   job->result[w] = s;
 }
 
 static void probe_fma_worker(void *arg, int64_t w) {
   probe_job *job = (probe_job *)arg;
-  job->result[w] = cm_active_ukernels()->probe_fma(job->iterations);
+  job->result[w] = cm_active_config()->probes.fma(job->iterations);
 }
 
 static double run_probe(const cpumoe_runner *runner, cpumoe_worker_fn fn, probe_job *job) {
@@ -245,7 +350,7 @@ double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
 
 static void probe_int8_worker(void *arg, int64_t w) {
   probe_job *job = (probe_job *)arg;
-  job->result[w] = cm_active_ukernels()->probe_int8(job->iterations);
+  job->result[w] = cm_active_config()->probes.int8(job->iterations);
 }
 
 double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner) {

@@ -15,49 +15,54 @@ static uint64_t read_xcr0(void) {
   return ((uint64_t)hi << 32) | lo;
 }
 
-cm_cpu_features cm_detect_cpu_features(void) {
-  cm_cpu_features f;
-  memset(&f, 0, sizeof f);
+/* Sets `feature` in *mask when `bit` of `reg` is set. */
+static void add_if(uint64_t *mask, unsigned int reg, int bit, uint64_t feature) {
+  if ((reg >> bit) & 1) *mask |= feature;
+}
+
+uint64_t cm_detect_cpu_features(void) {
+  uint64_t cpu = 0;
   unsigned int eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return f;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
   const unsigned int max_leaf = eax;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
   const int osxsave = (ecx >> 27) & 1;
-  f.fma = (ecx >> 12) & 1;
-  f.avx = (ecx >> 28) & 1;
-  f.f16c = (ecx >> 29) & 1;
+  add_if(&cpu, ecx, 12, CM_FEATURE(FMA));
+  add_if(&cpu, ecx, 28, CM_FEATURE(AVX));
+  add_if(&cpu, ecx, 29, CM_FEATURE(F16C));
   if (max_leaf >= 7) {
     __cpuid_count(7, 0, eax, ebx, ecx, edx);
-    f.avx2 = (ebx >> 5) & 1;
-    f.avx512f = (ebx >> 16) & 1;
-    f.avx512dq = (ebx >> 17) & 1;
-    f.avx512bw = (ebx >> 30) & 1;
-    f.avx512vl = (ebx >> 31) & 1;
-    f.avx512vnni = (ecx >> 11) & 1;
-    f.avx512fp16 = (edx >> 23) & 1;
-    f.amx_bf16 = (edx >> 22) & 1;
-    f.amx_tile = (edx >> 24) & 1;
-    f.amx_int8 = (edx >> 25) & 1;
     const unsigned int max_sub = eax;
+    add_if(&cpu, ebx, 5, CM_FEATURE(AVX2));
+    add_if(&cpu, ebx, 16, CM_FEATURE(AVX512F));
+    add_if(&cpu, ebx, 17, CM_FEATURE(AVX512DQ));
+    add_if(&cpu, ebx, 30, CM_FEATURE(AVX512BW));
+    add_if(&cpu, ebx, 31, CM_FEATURE(AVX512VL));
+    add_if(&cpu, ecx, 11, CM_FEATURE(AVX512VNNI));
+    add_if(&cpu, edx, 22, CM_FEATURE(AMX_BF16));
+    add_if(&cpu, edx, 23, CM_FEATURE(AVX512FP16));
+    add_if(&cpu, edx, 24, CM_FEATURE(AMX_TILE));
+    add_if(&cpu, edx, 25, CM_FEATURE(AMX_INT8));
     if (max_sub >= 1) {
       __cpuid_count(7, 1, eax, ebx, ecx, edx);
-      f.avx512bf16 = (eax >> 5) & 1;
+      add_if(&cpu, eax, 5, CM_FEATURE(AVX512BF16));
     }
   }
-  if (osxsave) {
-    const uint64_t xcr0 = read_xcr0();
-    f.os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
-    f.os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* plus opmask, ZMM_Hi256, Hi16_ZMM */
-    f.os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
-  }
-  return f;
-}
-
-int cm_cpu_supports_avx2_tier(const cm_cpu_features *f) {
-  return f->os_avx && f->avx && f->avx2 && f->fma && f->f16c;
-}
-
-int cm_cpu_supports_avx512_tier(const cm_cpu_features *f) {
-  return cm_cpu_supports_avx2_tier(f) && f->os_avx512 && f->avx512f && f->avx512bw && f->avx512vl &&
-         f->avx512dq && f->avx512vnni;
+  /* Register state the OS saves (XCR0), per register family. */
+  const uint64_t xcr0 = osxsave ? read_xcr0() : 0;
+  const int os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
+  const int os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* plus opmask, ZMM_Hi256, Hi16_ZMM */
+  const int os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
+  const uint64_t avx_family = CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) |
+                              CM_FEATURE(F16C);
+  const uint64_t avx512_family = CM_FEATURE(AVX512F) | CM_FEATURE(AVX512DQ) |
+                                 CM_FEATURE(AVX512BW) | CM_FEATURE(AVX512VL) |
+                                 CM_FEATURE(AVX512VNNI) | CM_FEATURE(AVX512BF16) |
+                                 CM_FEATURE(AVX512FP16);
+  const uint64_t amx_family = CM_FEATURE(AMX_TILE) | CM_FEATURE(AMX_BF16) | CM_FEATURE(AMX_INT8);
+  uint64_t usable = cpu;
+  if (!os_avx) usable &= ~(avx_family | avx512_family | amx_family);
+  if (!os_avx512) usable &= ~avx512_family;
+  if (!os_amx) usable &= ~amx_family;
+  return usable;
 }

@@ -2,15 +2,37 @@
 #ifndef CPUMOE_DISPATCH_CPUINFO_H
 #define CPUMOE_DISPATCH_CPUINFO_H
 
-typedef struct cm_cpu_features {
-  unsigned char avx, avx2, fma, f16c;
-  unsigned char avx512f, avx512dq, avx512bw, avx512vl, avx512vnni, avx512bf16, avx512fp16;
-  unsigned char amx_tile, amx_bf16, amx_int8;
-  unsigned char os_avx, os_avx512, os_amx; /* register state enabled by the OS (XCR0) */
-} cm_cpu_features;
+#include <stdint.h>
 
-cm_cpu_features cm_detect_cpu_features(void);
-int cm_cpu_supports_avx2_tier(const cm_cpu_features *f);
-int cm_cpu_supports_avx512_tier(const cm_cpu_features *f);
+/* Every feature the tiers can require (cpumoe/tiers.h), with its name in
+ * cpumoe_cpu_features(). */
+#define CM_FOR_EACH_CPU_FEATURE(X) \
+  X(AVX, "avx")                    \
+  X(AVX2, "avx2")                  \
+  X(FMA, "fma")                    \
+  X(F16C, "f16c")                  \
+  X(AVX512F, "avx512f")            \
+  X(AVX512DQ, "avx512dq")          \
+  X(AVX512BW, "avx512bw")          \
+  X(AVX512VL, "avx512vl")          \
+  X(AVX512VNNI, "avx512vnni")      \
+  X(AVX512BF16, "avx512bf16")      \
+  X(AVX512FP16, "avx512fp16")      \
+  X(AMX_TILE, "amx-tile")          \
+  X(AMX_BF16, "amx-bf16")          \
+  X(AMX_INT8, "amx-int8")
+
+enum {
+#define CM_FEATURE_INDEX(id, name) CM_FEATURE_INDEX_##id,
+  CM_FOR_EACH_CPU_FEATURE(CM_FEATURE_INDEX)
+#undef CM_FEATURE_INDEX
+      CM_FEATURE_COUNT
+};
+
+#define CM_FEATURE(id) (UINT64_C(1) << CM_FEATURE_INDEX_##id)
+
+/* The features this CPU has and whose register state the OS saves on a context switch
+ * (a feature whose registers the OS does not save is unusable): a CM_FEATURE mask. */
+uint64_t cm_detect_cpu_features(void);
 
 #endif

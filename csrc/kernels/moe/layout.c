@@ -1,0 +1,45 @@
+/*
+ * The workspace of one chunk of tokens: every region's offset, from the problem and its
+ * (scheme, tier) config alone (the op asks for the total, the caller allocates it).
+ * cm_validate_problem bounds slots by 2^24 and K, N by 2^30 (CM_MAX_*): nothing here can
+ * overflow.
+ */
+#include "moe/pipeline.h"
+
+static size_t align64(size_t x) {
+  return (x + 63) & ~(size_t)63;
+}
+
+cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm) {
+  cm_layout l;
+  const cm_panel_packer *packer = &cm_panel_packers[gemm->a_format];
+  const cm_scheme_traits *traits = cm_scheme_traits_of(p->scheme);
+  const size_t mr = gemm->mr;
+  const int64_t chunk = p->M < CM_CHUNK_TOKENS ? p->M : CM_CHUNK_TOKENS;
+  l.slots = chunk * p->topk;
+  l.max_panels = (l.slots + (int64_t)mr - 1) / (int64_t)mr + (p->E < l.slots ? p->E : l.slots);
+  for (int stage = 1; stage <= 2; stage++)
+    l.sum_blocks[stage - 1] = packer->block_sums ? traits->reduction_blocks(p, stage) : 0;
+  /* quantized formats: rows quantized once per token (xq, xs) and once per mid row (midq);
+   * A panels hold at most 4 bytes per element (fp32), scales one float per row */
+  const int quantized = packer->quantized;
+  size_t at = 0;
+  l.offsets = at, at = align64(at + sizeof(int64_t) * (size_t)(p->E + 1));
+  l.sorted = at, at = align64(at + sizeof(int32_t) * (size_t)l.slots);
+  l.weights = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.panels = at, at = align64(at + sizeof(cm_panel) * (size_t)l.max_panels);
+  l.blocks = at, at = align64(at + sizeof(cm_block) * (size_t)l.max_panels);
+  l.xq = at, at = align64(at + (quantized ? (size_t)(chunk * p->K) : 0));
+  l.xs = at, at = align64(at + (quantized ? sizeof(float) * (size_t)chunk : 0));
+  l.midq = at, at = align64(at + (quantized ? (size_t)(l.slots * p->N) : 0));
+  l.a1 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
+  l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.qs1 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[0]));
+  l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
+  l.a2 = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->N));
+  l.as2 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
+  l.qs2 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[1]));
+  l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * p->K));
+  l.total = at + 64; /* room to align the base pointer */
+  return l;
+}

@@ -1,0 +1,119 @@
+/*
+ * The A panel formats (cm_panel_format) and their packers: how the rows of a panel (x rows
+ * of its tokens for gemm1, its slots' mid rows for gemm2) become the operand a scheme's
+ * GEMM kernels read. Which format a (scheme, tier) uses is data (cm_gemm_config.a_format).
+ *
+ *   F32                  fp32 [red][rows]: rows interleaved per k.
+ *   U8_QUADS             u8 [red/4][rows][4] of q + 128, q = round(v * 127 / absmax(row))
+ *                        (half to even), scale absmax / 127 per row: x rows are quantized
+ *                        once per token by prepare_token, mid rows once per slot.
+ *   U8_QUADS_BLOCK_SUMS  U8_QUADS plus, for panels a decode kernel takes, each row's sum of
+ *                        q over every reduction block of the scheme (int32 [blocks][rows]):
+ *                        a decode kernel that multiplies unsigned weights by q subtracts
+ *                        zero x that sum once per block.
+ */
+#include <string.h>
+
+#include "moe/pipeline.h"
+
+/* fp32 values of columns [k0, k0 + n) of panel row i: widened x (stage 1) or mid (stage 2) */
+static const float *row_chunk(const cm_run *r, const cm_panel *pn, int stage, size_t i, int64_t k0,
+                              size_t n, float *tmp) {
+  const cpumoe_moe_problem *p = r->p;
+  if (stage == 2) return r->mid + (size_t)(pn->first + (int64_t)i) * (size_t)p->N + (size_t)k0;
+  const int64_t token = r->m0 + r->sorted[pn->first + (int64_t)i] / p->topk;
+  r->widen(n, (const uint16_t *)p->x + token * p->K + k0, tmp);
+  return tmp;
+}
+
+static void pack_f32(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = cm_stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  float *panel = (float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  float tmp[CM_MR_MAX][CM_PACK_COLS];
+  const float *src[CM_MR_MAX];
+  for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
+    for (size_t i = 0; i < rows; i++) src[i] = row_chunk(r, pn, stage, i, k0, n, tmp[i]);
+    float *dst = panel + (size_t)k0 * rows;
+    for (size_t k = 0; k < n; k++)
+      for (size_t i = 0; i < rows; i++) dst[k * rows + i] = src[i][k];
+  }
+}
+
+/* Scale of a row from its absmax (floored for all-zero rows; NaN stays NaN); returns 127/amax. */
+static float u8_row_scale(float amax, float *scale) {
+  if (!(amax >= CM_INT8_MIN_AMAX)) amax = amax != amax ? amax : CM_INT8_MIN_AMAX;
+  *scale = amax / 127.0f;
+  return 127.0f / amax;
+}
+
+/* Token t's x row quantized once: xq (u8) and xs (its scale). */
+static void prepare_token_u8(const cm_run *r, int64_t t) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K;
+  const uint16_t *x = (const uint16_t *)p->x + (r->m0 + t) * K;
+  float tmp[CM_PACK_COLS], amax = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
+    r->widen(n, x + k0, tmp);
+    amax = r->ew->absmax(n, tmp, amax);
+  }
+  const float inv_scale = u8_row_scale(amax, &r->xs[t]);
+  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
+    r->widen(n, x + k0, tmp);
+    r->ew->quantize_u8(n, tmp, inv_scale, r->xq + (size_t)(t * K + k0));
+  }
+}
+
+static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t red = cm_stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  uint8_t *panel = (uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  float *scale = r->a_scale[stage - 1] + pn->first;
+  const uint8_t *src[CM_MR_MAX];
+  for (size_t i = 0; i < rows; i++) {
+    const int64_t pos = pn->first + (int64_t)i;
+    if (stage == 1) { /* the token's row, quantized once by prepare_token_u8 */
+      const int64_t t = r->sorted[pos] / p->topk;
+      src[i] = r->xq + (size_t)(t * red);
+      scale[i] = r->xs[t];
+    } else { /* this slot's own intermediate row */
+      const float *m = r->mid + (size_t)(pos * red);
+      uint8_t *q = r->midq + (size_t)(pos * red);
+      const float inv_scale = u8_row_scale(r->ew->absmax((size_t)red, m, 0.0f), &scale[i]);
+      r->ew->quantize_u8((size_t)red, m, inv_scale, q);
+      src[i] = q;
+    }
+  }
+  for (size_t kq = 0; kq < (size_t)red / 4; kq++)
+    for (size_t i = 0; i < rows; i++) memcpy(panel + (kq * rows + i) * 4, src[i] + 4 * kq, 4);
+}
+
+/* Sums are made only for panels a decode kernel can take (larger ones never read them). */
+static void pack_u8_quads_block_sums(const cm_run *r, const cm_panel *pn, int stage) {
+  pack_u8_quads(r, pn, stage);
+  if ((size_t)pn->rows > r->gemm->decode_max_rows) return;
+  const int64_t red = cm_stage_reduction(r, stage), blocks = r->sum_blocks[stage - 1];
+  const size_t bk = (size_t)(red / blocks), rows = (size_t)pn->rows;
+  const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  int32_t *sums = r->q_sums[stage - 1] + (size_t)(pn->first * blocks);
+  for (size_t b = 0; b < (size_t)blocks; b++)
+    for (size_t i = 0; i < rows; i++) {
+      const uint8_t *q = panel + b * bk * rows + 4 * i; /* k-quads of row i, stride 4 rows */
+      int32_t sum = 0;
+      for (size_t kq = 0; kq < bk / 4; kq++, q += 4 * rows) sum += q[0] + q[1] + q[2] + q[3];
+      sums[b * rows + i] = sum - 128 * (int32_t)bk;
+    }
+}
+
+const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT] = {
+    [CM_PANEL_F32] = {.prepare_token = NULL, .pack = pack_f32},
+    [CM_PANEL_U8_QUADS] = {.prepare_token = prepare_token_u8, .pack = pack_u8_quads,
+                           .quantized = 1},
+    [CM_PANEL_U8_QUADS_BLOCK_SUMS] = {.prepare_token = prepare_token_u8,
+                                      .pack = pack_u8_quads_block_sums, .quantized = 1,
+                                      .block_sums = 1},
+};

@@ -1,0 +1,187 @@
+/*
+ * The fused MoE pipeline's internal interface: what the stages (moe/stages.c), the
+ * routing (moe/route.c), the workspace plan (moe/layout.c), the panel packers
+ * (moe/panels.c) and each scheme's hooks (schemes/<name>/scheme.c) share.
+ *
+ * SHAPES     x [M, K], w1 [E, 2N, K] packed, w2 [E, K, N] packed, ids/weights [M, topk]
+ * DEFINITION for m, j: e = ids[m, j] (skip -1)
+ *              h = W1[e] x[m] + b1[e]           fp32, one FMA chain per element
+ *              a = round16(act(h))              act = silu(gate)*up or clamped swiglu
+ *              y = (W2[e] a + b2[e]) * w[m, j]   fp32
+ *            out[m] = round16(sum_j y + residual_scale * residual[m])
+ *            (docs/MATH.md states it in full.)
+ * STAGES per chunk of at most CM_CHUNK_TOKENS tokens (bounds the workspace):
+ *   route   serial: validate ids, counting-sort the M*topk slots by expert (stable),
+ *           cut each expert's slots into panels of `mr` rows, panels into blocks.
+ *   prep    quantized panel formats only, task per token: quantize the x row once (u8 +
+ *           scale); a token appears in topk slots, so this is not repeated per slot.
+ *   pack1   task per panel: gather the x rows into the A panel format of the scheme's
+ *           config (fp32, widened here; u8 quads, and the rows' sums per reduction block).
+ *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1
+ *           (the scheme's gemm_block hook), bias, activation, rounding -> mid [slot, N].
+ *   pack2   task per panel: mid rows into the A panel of gemm2.
+ *   gemm2   task per (block, 32 output columns): tile of W2, bias, topk weight,
+ *           written to y [slot, K] in the slots' original order.
+ *   reduce  task per token: sum the slots in order j = 0..topk-1 (+ residual).
+ *           prep..reduce run as one chain of stages (cm_parallel_stages): one request to
+ *           the runner per chunk, the workers waiting for each other between stages.
+ * SCHEMES   are looked up, never switched on: a scheme's traits (cm_scheme_traits) check
+ *           its arguments and compute a block's fp32 C tile from a weight tile; its
+ *           (scheme, tier) config (cm_gemm_config) names the kernels, mr and the A panel
+ *           format, whose packer lives in moe/panels.c.
+ * REGULARITIES each task is a fixed computation: outputs do not depend on the
+ *           number of threads or on which thread ran what.
+ * EXAMPLE   Qwen3-30B-A3B: E=128, topk=8, K=2048, N=768; decode M=1 reads 8 experts'
+ *           weights once (gemm1: 8 blocks x 24 tasks); prefill M=512 has ~32 slots
+ *           per expert, i.e. ~3 panels of 12 rows per block.
+ */
+#ifndef CPUMOE_MOE_PIPELINE_H
+#define CPUMOE_MOE_PIPELINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/numeric.h"
+#include "common/ukernels.h"
+#include "cpumoe/cpumoe.h"
+
+#define CM_CHUNK_TOKENS 1024
+#define CM_PANELS_PER_BLOCK 4  /* up to 4 x mr rows share one pass over a weight tile */
+#define CM_PACK_COLS 64        /* columns widened per step when packing A panels */
+#define CM_INT8_MIN_AMAX 1e-7f /* floor of a row's absmax before quantizing (all-zero rows) */
+/* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
+ * so that no such access splits across two lines. */
+#define CM_ALIGNED _Alignas(64)
+/* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
+ * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
+#define CM_MAX_TOPK 16384
+#define CM_MAX_DIM (INT64_C(1) << 30)
+
+typedef struct cm_panel {
+  int32_t expert;
+  int32_t rows;
+  int64_t first; /* position of its first slot in the sorted slot list */
+} cm_panel;
+
+typedef struct cm_block {
+  int32_t first_panel;
+  int32_t panels;
+  int32_t expert_first_block; /* the blocks of one expert are consecutive */
+  int32_t expert_blocks;
+} cm_block;
+
+typedef struct cm_run cm_run;
+
+/* What a weight scheme is, stated once (schemes/<name>/scheme.c; the table: moe/schemes.c). */
+typedef struct cm_scheme_traits {
+  const char *name;
+  /* Checks the scheme's own fields of the problem (scales, zeros, block or group sizes). */
+  cpumoe_status (*validate)(const cpumoe_moe_problem *p);
+  /* Bytes of one packed w1 row (an upper bound), for the tensor size checks. */
+  int64_t (*w1_row_bytes)(const cpumoe_moe_problem *p);
+  /* Bytes of the w1 (stage 1) or w2 (stage 2) scale tensor where it can exceed w1's own
+     bytes; NULL when it cannot. -1 when the count overflows. */
+  int64_t (*scale_bytes)(const cpumoe_moe_problem *p, int stage);
+  /* Reduction blocks per row of gemm `stage`, for panels with block sums
+     (CM_PANEL_U8_QUADS_BLOCK_SUMS); NULL for a scheme whose configs never ask for them. */
+  int64_t (*reduction_blocks)(const cpumoe_moe_problem *p, int stage);
+  /* c[rows of the block][32] = fp32 product of the block's panels (in order) with the 32
+   * weight rows [row0, row0 + 32) of W1[e] (stage 1) or W2[e] (stage 2), dequantized;
+   * bias and activation are not in. */
+  void (*gemm_block)(const cm_run *r, const cm_block *blk, int stage, int64_t row0, float *c);
+} cm_scheme_traits;
+
+/* The traits of a scheme, or NULL if this build has none. */
+const cm_scheme_traits *cm_scheme_traits_of(cpumoe_scheme scheme);
+
+/* How rows become an A panel of one format (moe/panels.c). */
+typedef struct cm_panel_packer {
+  /* Per token of the chunk, before any packing (quantizing its x row once); NULL: none. */
+  void (*prepare_token)(const cm_run *r, int64_t t);
+  /* Writes the panel's rows into its A panel of `stage` (1: x rows of the panel's tokens,
+   * reduction K; 2: mid rows, reduction N), with per-row scales and sums if the format
+   * has them. */
+  void (*pack)(const cm_run *r, const cm_panel *pn, int stage);
+  int quantized;  /* rows quantized to u8 (x once per token, mid rows per slot) */
+  int block_sums; /* per row and reduction block, the sum of q */
+} cm_panel_packer;
+
+extern const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT];
+
+/* Everything a task needs, for one chunk of tokens [m0, m0 + mc). */
+struct cm_run {
+  const cpumoe_moe_problem *p;
+  const cm_elementwise_kernels *ew;
+  const cm_gemm_config *gemm; /* the (scheme, tier) config */
+  const cm_scheme_traits *traits;
+  const cm_panel_packer *packer;
+  cm_widen_fn widen;
+  cm_narrow_fn narrow;
+  cm_round_fn round16;
+  size_t mr;
+  int64_t m0, mc, n_blocks, n_tiles1, n_tiles2;
+  const int32_t *sorted; /* chunk-local slot indices, grouped by expert */
+  const float *weights;  /* [mc * topk] topk weights as fp32 */
+  const cm_panel *panels;
+  const cm_block *blocks;
+  void *a[2];            /* A panels of gemm1 and gemm2 */
+  float *a_scale[2];     /* per-row activation scales (quantized formats), by sorted position */
+  int32_t *q_sums[2];    /* block-sum formats: per row and reduction block, sum of q */
+  int64_t sum_blocks[2]; /* reduction blocks per row of q_sums, per stage */
+  float *mid;            /* [slots, N] rounded intermediate, by sorted position */
+  uint8_t *xq;           /* quantized formats: [mc, K] x rows (u8 = q + 128) ... */
+  float *xs;             /* ... and their scales */
+  uint8_t *midq;         /* quantized formats: [slots, N] mid rows */
+  float *y;              /* [slots, K] weighted expert outputs, by chunk-local slot */
+  /* writes the y rows: plain or streaming stores, per chunk (CM_Y_CACHED_BYTES) */
+  cm_bias_scale_fn store_y;
+};
+
+/* Workspace regions for one chunk; all sizes derive from the problem and its config. */
+typedef struct cm_layout {
+  size_t offsets, sorted, weights, panels, blocks, xq, xs, a1, as1, qs1, mid, midq, a2, as2, qs2, y,
+      total;
+  int64_t slots, max_panels;
+  int64_t sum_blocks[2];
+} cm_layout;
+
+/* moe/validate.c: the problem's fields (CPUMOE_OK or a status with cm_fail's message) */
+cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p);
+/* every topk id in [0, E) or -1 */
+cpumoe_status cm_validate_ids(const cpumoe_moe_problem *p);
+
+/* moe/layout.c */
+cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);
+
+/* moe/route.c: counting sort of the chunk's slots by expert, then panels and blocks;
+ * sets r->n_blocks */
+void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
+                    cm_panel *panels, cm_block *blocks);
+
+/* Expert of a slot (an index into topk_ids): 0 for every slot without ids. */
+static inline int64_t cm_slot_expert(const cpumoe_moe_problem *p, int64_t slot) {
+  if (!p->topk_ids) return 0;
+  return p->topk_ids_dtype == CPUMOE_DTYPE_I32 ? ((const int32_t *)p->topk_ids)[slot]
+                                               : ((const int64_t *)p->topk_ids)[slot];
+}
+
+/* Rows of a block: its panels are consecutive runs of the same expert's sorted slots. */
+static inline int64_t cm_block_rows(const cm_run *r, const cm_block *blk) {
+  const cm_panel *last = &r->panels[blk->first_panel + blk->panels - 1];
+  return last->first + last->rows - r->panels[blk->first_panel].first;
+}
+
+/* The reduction of gemm `stage`: K for the gate/up projection, N for the down one. */
+static inline int64_t cm_stage_reduction(const cm_run *r, int stage) {
+  return stage == 1 ? r->p->K : r->p->N;
+}
+
+/* Panel q's equal share of the `bytes` at `next` (see cm_prefetch, common/ukernels.h). */
+static inline cm_prefetch cm_prefetch_share(const void *next, size_t bytes, int32_t q,
+                                            int32_t panels) {
+  const size_t lines = bytes / 64, first = lines * (size_t)q / (size_t)panels;
+  return (cm_prefetch){(const char *)next + 64 * first,
+                       lines * (size_t)(q + 1) / (size_t)panels - first};
+}
+
+#endif /* CPUMOE_MOE_PIPELINE_H */

@@ -1,0 +1,203 @@
+/*
+ * The fused MoE op: its entry points and the tasks of its stages (moe/pipeline.h has the
+ * loop nest they implement and the stage list). Every kernel is reached through the
+ * active tier's config, every scheme-specific step through the scheme's traits and its
+ * panel format's packer: nothing here tests an ISA or a scheme.
+ */
+#include <string.h>
+
+#include "common/error.h"
+#include "common/parallel.h"
+#include "moe/pipeline.h"
+
+#define CM_REDUCE_COLS 512 /* columns summed per step of the reduce stage */
+/* The down projection's per-slot rows y (fp32 [mc * topk][K]) are read back by the reduce
+ * stage. Up to this many bytes they are stored normally and stay in cache for it; above,
+ * with streaming stores, which spare the cache and the read-for-ownership traffic
+ * (measured: docs/PERFORMANCE-HISTORY.md). */
+#define CM_Y_CACHED_BYTES (256u << 10)
+
+/* Task t of a gemm stage with `tiles` column tiles per block -> (block, tile).
+ * Tasks are numbered expert by expert and, within an expert, tile-major: the blocks
+ * of one expert that need the same weight tile run back to back, so the tile is
+ * read from memory once and then hit in cache (e.g. Mixtral prefill, 3 blocks per
+ * expert). The first task of an expert is expert_first_block * tiles. */
+static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t tiles, int64_t *tile) {
+  const cm_block *any = &blocks[t / tiles];
+  const int64_t local = t - (int64_t)any->expert_first_block * tiles;
+  *tile = local / any->expert_blocks;
+  return &blocks[any->expert_first_block + local % any->expert_blocks];
+}
+
+static void prepare_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  r->packer->prepare_token(r, t);
+}
+
+static void pack1_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  r->packer->pack(r, &r->panels[t], 1);
+}
+
+static void pack2_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  r->packer->pack(r, &r->panels[t], 2);
+}
+
+static void gemm1_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t N = p->N;
+  int64_t tile; /* intermediate columns [32 tile, 32 tile + 32) */
+  const cm_block *blk = task_block(r->blocks, t, r->n_tiles1, &tile);
+  const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
+  /* silu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
+   * interleave gate/up. Either way two 32-row weight blocks. */
+  const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
+  const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
+  CM_ALIGNED float c0[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  CM_ALIGNED float c1[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  float gate[CM_NR], up[CM_NR];
+  r->traits->gemm_block(r, blk, 1, row0, c0);
+  r->traits->gemm_block(r, blk, 1, row1, c1);
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const int64_t first = r->panels[blk->first_panel].first; /* the block's rows are consecutive */
+  const float *bias = p->w1_bias ? p->w1_bias + (size_t)expert * (size_t)(2 * N) : NULL;
+  const int64_t rows = cm_block_rows(r, blk);
+  for (int64_t i = 0; i < rows; i++) {
+    float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
+    float *out = r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
+    if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
+      for (int j = 0; j < CM_NR; j++) {
+        const float *h = j < 16 ? h0 : h1;
+        const int jj = 2 * (j & 15);
+        gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
+        up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
+      }
+      r->ew->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
+    } else {
+      if (bias)
+        for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
+      r->ew->silu_mul(CM_NR, h0, h1, out);
+    }
+    r->round16(CM_NR, out);
+  }
+}
+
+static void gemm2_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K;
+  int64_t tile; /* output columns [32 tile, 32 tile + 32) */
+  const cm_block *blk = task_block(r->blocks, t, r->n_tiles2, &tile);
+  CM_ALIGNED float c[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  r->traits->gemm_block(r, blk, 2, 32 * tile, c);
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const int64_t first = r->panels[blk->first_panel].first;
+  const float *bias = p->w2_bias ? p->w2_bias + (size_t)expert * (size_t)K + 32 * tile : NULL;
+  const int64_t rows = cm_block_rows(r, blk);
+  for (int64_t i = 0; i < rows; i++) {
+    const int32_t slot = r->sorted[first + i];
+    const float g = r->weights[slot];
+    float *y = r->y + (size_t)slot * (size_t)K + (size_t)(32 * tile);
+    r->store_y(CM_NR, c + i * CM_NR, bias, g, y); /* read back by reduce_task */
+  }
+}
+
+static void reduce_task(void *ctx, int64_t t) {
+  const cm_run *r = (const cm_run *)ctx;
+  const cpumoe_moe_problem *p = r->p;
+  const int64_t K = p->K, m = r->m0 + t;
+  CM_ALIGNED float acc[CM_REDUCE_COLS];
+  CM_ALIGNED float res[CM_REDUCE_COLS];
+  for (int64_t k0 = 0; k0 < K; k0 += CM_REDUCE_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_REDUCE_COLS ? K - k0 : CM_REDUCE_COLS);
+    memset(acc, 0, n * sizeof(float));
+    for (int64_t j = 0; j < p->topk; j++) {
+      const int64_t slot = t * p->topk + j;
+      if (cm_slot_expert(p, m * p->topk + j) < 0) continue;
+      r->ew->axpy(n, 1.0f, r->y + (size_t)slot * (size_t)K + (size_t)k0, acc);
+    }
+    if (p->residual) {
+      r->widen(n, (const uint16_t *)p->residual + m * K + k0, res);
+      r->ew->axpy(n, p->residual_scale, res, acc);
+    }
+    r->narrow(n, acc, (uint16_t *)p->out + m * K + k0);
+  }
+}
+
+/* The tier's config for the problem's scheme; NULL if the scheme is unknown. */
+static const cm_gemm_config *gemm_config(const cm_tier_config *tier, const cpumoe_moe_problem *p) {
+  return cm_scheme_traits_of(p->scheme) ? &tier->gemm[p->scheme] : NULL;
+}
+
+size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
+  if (cm_validate_problem(p) != CPUMOE_OK) return 0;
+  return cm_plan_layout(p, gemm_config(cm_active_config(), p)).total;
+}
+
+cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
+                                   size_t workspace_bytes, const cpumoe_runner *runner) {
+  cpumoe_status st = cm_validate_problem(p);
+  if (st != CPUMOE_OK) return st;
+  if (p->M == 0) return CPUMOE_OK;
+  st = cm_validate_ids(p);
+  if (st != CPUMOE_OK) return st;
+  const cm_tier_config *tier = cm_active_config();
+  const cm_gemm_config *gemm = gemm_config(tier, p);
+  const cm_layout l = cm_plan_layout(p, gemm);
+  if (!workspace || workspace_bytes < l.total)
+    return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
+                   l.total);
+  char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+  const int bf16 = p->act_dtype == CPUMOE_DTYPE_BF16;
+  const cm_elementwise_kernels *ew = &tier->elementwise;
+  cm_run r = {
+      .p = p,
+      .ew = ew,
+      .gemm = gemm,
+      .traits = cm_scheme_traits_of(p->scheme),
+      .packer = &cm_panel_packers[gemm->a_format],
+      .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
+      .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
+      .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
+      .mr = gemm->mr,
+      .n_tiles1 = p->N / CM_NR,
+      .n_tiles2 = p->K / CM_NR,
+      .sorted = (const int32_t *)(ws + l.sorted),
+      .weights = (const float *)(ws + l.weights),
+      .panels = (const cm_panel *)(ws + l.panels),
+      .blocks = (const cm_block *)(ws + l.blocks),
+      .a = {ws + l.a1, ws + l.a2},
+      .a_scale = {(float *)(ws + l.as1), (float *)(ws + l.as2)},
+      .q_sums = {(int32_t *)(ws + l.qs1), (int32_t *)(ws + l.qs2)},
+      .sum_blocks = {l.sum_blocks[0], l.sum_blocks[1]},
+      .mid = (float *)(ws + l.mid),
+      .xq = (uint8_t *)(ws + l.xq),
+      .xs = (float *)(ws + l.xs),
+      .midq = (uint8_t *)(ws + l.midq),
+      .y = (float *)(ws + l.y),
+  };
+  for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
+    r.m0 = m0;
+    r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
+    r.store_y = (size_t)(r.mc * p->topk * p->K) * sizeof(float) <= CM_Y_CACHED_BYTES
+                    ? ew->bias_scale
+                    : ew->bias_scale_stream;
+    cm_route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
+                   (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
+                   (cm_block *)(ws + l.blocks));
+    int64_t n_panels = 0;
+    for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
+    const cm_stage stages[] = {
+        {r.packer->prepare_token ? r.mc : 0, prepare_task},
+        {n_panels, pack1_task},
+        {r.n_blocks * r.n_tiles1, gemm1_task},
+        {n_panels, pack2_task},
+        {r.n_blocks * r.n_tiles2, gemm2_task},
+        {r.mc, reduce_task},
+    };
+    cm_parallel_stages(runner, stages, (int)(sizeof stages / sizeof stages[0]), &r);
+  }
+  return CPUMOE_OK;
+}

@@ -1,0 +1,113 @@
+/*
+ * Scheme FP8_W8A16 (moe_comp_method 2): e4m3fn weights packed VNNI-2 (pack/pack-vnni2.c)
+ * with one fp32 scale per 2-D block of block_n output rows x block_k reduction steps;
+ * activations stay 16-bit and go into fp32 panels. e4m3 decodes exactly to fp16 bits
+ * times 2^-8 (common/ukernels.h), so every tier sums the same products in the same order.
+ */
+#include "common/error.h"
+#include "common/sizes.h"
+#include "moe/pipeline.h"
+
+#define CM_FP8_KC 256 /* reduction chunk decoded at once by the prefill path: 32 KiB of fp32 */
+
+static cpumoe_status validate_fp8(const cpumoe_moe_problem *p) {
+  if (!p->w1_scale || !p->w2_scale)
+    return cm_fail(CPUMOE_EINVAL, "FP8 W8A16 needs w1_scale and w2_scale");
+  if (p->block_n < 1 || p->block_k < 2 || p->block_k % 2 != 0)
+    return cm_fail(CPUMOE_EUNSUPPORTED,
+                   "FP8 block_size [%lld, %lld]: block_n must be >= 1 and block_k an even "
+                   "number >= 2 (the packed layout pairs consecutive k)",
+                   (long long)p->block_n, (long long)p->block_k);
+  return CPUMOE_OK;
+}
+
+static int64_t w1_row_bytes_fp8(const cpumoe_moe_problem *p) {
+  return p->K;
+}
+
+/* The block scales: [E, ceil(rows / block_n), ceil(reduction / block_k)] fp32. Small
+ * blocks make them larger than the weights. */
+static int64_t scale_bytes_fp8(const cpumoe_moe_problem *p, int stage) {
+  const int64_t rows = stage == 1 ? 2 * p->N : p->K, red = stage == 1 ? p->K : p->N;
+  return cm_size_product(
+      cm_size_product(p->E, cm_ceil_div(rows, p->block_n), cm_ceil_div(red, p->block_k)), 4, 1);
+}
+
+/* The reduction is walked K block by K block (one scale per column within a block): each
+ * block's products are summed unscaled, then folded in with the block's scale
+ * (common/ukernels.h). A block of few rows decodes in registers, one call per K block
+ * (decode: weights are read once); a block with more converts each chunk of a K block
+ * once into an L1-resident fp32 buffer, runs all its panels on it into per-panel block
+ * sums, and folds those at the K block's end. Both give the same bits. */
+static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                           float *c) {
+  const cpumoe_moe_problem *p = r->p;
+  const cm_fp8_kernels *k = &r->gemm->kernels.fp8;
+  const int64_t red = cm_stage_reduction(r, stage);
+  const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const int64_t k_blocks = cm_ceil_div(red, p->block_k);
+  const int64_t n_blocks = cm_ceil_div(out_rows, p->block_n);
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const uint8_t *w = (const uint8_t *)(stage == 1 ? p->w1 : p->w2) +
+                     (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+  const float *scales =
+      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(expert * n_blocks * k_blocks);
+  const int convert = (size_t)cm_block_rows(r, blk) > r->gemm->decode_max_rows;
+  float col_scale[CM_NR];
+  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR];
+  CM_ALIGNED float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
+  const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
+  /* stepped from column to column, not divided per column */
+  int64_t n_block = row0 / p->block_n, next_block_row = (n_block + 1) * p->block_n;
+  for (int j = 0; j < CM_NR; j++) {
+    if (row0 + j == next_block_row) n_block++, next_block_row += p->block_n;
+    scale_row[j] = scales + n_block * k_blocks;
+  }
+  for (int64_t kb = 0; kb < k_blocks; kb++) {
+    const int64_t k_begin = kb * p->block_k;
+    const int64_t k_end = k_begin + p->block_k < red ? k_begin + p->block_k : red;
+    for (int j = 0; j < CM_NR; j++) col_scale[j] = scale_row[j][kb];
+    if (!convert) {
+      float *cq = c;
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        const size_t rows = (size_t)pn->rows;
+        const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red +
+                             (size_t)k_begin * rows;
+        k->gemm_decode(rows, (size_t)(k_end - k_begin), panel, rows, w + k_begin * CM_NR,
+                        col_scale, cq, kb > 0);
+        cq += rows * CM_NR;
+      }
+      continue;
+    }
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += CM_FP8_KC) {
+      const int64_t kc = k_end - k0 < CM_FP8_KC ? k_end - k0 : CM_FP8_KC;
+      k->to_f32((size_t)kc, w + k0 * CM_NR, decoded);
+      float *sq = sums;
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        const size_t rows = (size_t)pn->rows;
+        const float *panel =
+            (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red + (size_t)k0 * rows;
+        k->gemm_f32b(rows, (size_t)kc, panel, rows, decoded, sq, k0 > k_begin);
+        sq += rows * CM_NR;
+      }
+    }
+    float *cq = c, *sq = sums;
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const size_t rows = (size_t)r->panels[blk->first_panel + q].rows;
+      k->fold(rows, sq, col_scale, cq, kb > 0);
+      cq += rows * CM_NR, sq += rows * CM_NR;
+    }
+  }
+  const size_t tile_values = (size_t)cm_block_rows(r, blk) * CM_NR;
+  for (size_t i = 0; i < tile_values; i++) c[i] *= 256.0f; /* C held the result times 2^-8 */
+}
+
+const cm_scheme_traits cm_scheme_fp8 = {
+    .name = "FP8 W8A16",
+    .validate = validate_fp8,
+    .w1_row_bytes = w1_row_bytes_fp8,
+    .scale_bytes = scale_bytes_fp8,
+    .gemm_block = gemm_block_fp8,
+};

@@ -1,0 +1,70 @@
+/*
+ * Scheme INT8_W8A8 (moe_comp_method 1): int8 weights with one fp32 scale per output
+ * channel, packed VNNI-4 with a compensation row (schemes/int8/pack-vnni4.c); activations
+ * quantized per row to u8 (q + 128) in the panels. The int32 dot products are exact, so the
+ * reduction may be cut into chunks in any order; the dequantization is one fixed sequence
+ * of fp32 operations per element (common/ukernels.h).
+ */
+#include "common/error.h"
+#include "moe/pipeline.h"
+
+#define CM_INT8_KC 256 /* reduction chunk of the block GEMM: 8 KiB of weights */
+
+static cpumoe_status validate_int8(const cpumoe_moe_problem *p) {
+  if (!p->w1_scale || !p->w2_scale)
+    return cm_fail(CPUMOE_EINVAL, "INT8 W8A8 needs w1_scale and w2_scale");
+  if (p->K > CM_INT8_MAX_REDUCTION || p->N > CM_INT8_MAX_REDUCTION)
+    return cm_fail(CPUMOE_EUNSUPPORTED,
+                   "INT8 W8A8 sums K=%lld and N=%lld products exactly in int32 only up to %d",
+                   (long long)p->K, (long long)p->N, CM_INT8_MAX_REDUCTION);
+  return CPUMOE_OK;
+}
+
+static int64_t w1_row_bytes_int8(const cpumoe_moe_problem *p) {
+  return p->K + 4; /* the weights, then the row's int32 compensation */
+}
+
+/* The reduction is walked in chunks of CM_INT8_KC, each chunk applied to every panel of
+ * the block before the next: the chunk of weights comes from memory once and is reused
+ * from L1 by the other panels, while each panel's call prefetches its share of the next
+ * chunk, so streaming and dot products overlap (integer sums are exact in any order).
+ * After the last chunk that is the head of the next tile, which the next task reads. A
+ * block of one panel has nothing to share: its calls read ahead on their own. */
+static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
+                            float *c) {
+  const cpumoe_moe_problem *p = r->p;
+  const cm_int8_kernels *k = &r->gemm->kernels.int8;
+  const int64_t red = cm_stage_reduction(r, stage);
+  const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const int8_t *w = (const int8_t *)(stage == 1 ? p->w1 : p->w2) +
+                    (size_t)expert * (size_t)(out_rows * (red + 4)) + (size_t)(row0 * (red + 4));
+  const float *w_scale =
+      (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
+  CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
+  for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
+    const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const cm_panel *pn = &r->panels[blk->first_panel + q];
+      const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+      k->gemm((size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows, (size_t)pn->rows,
+              w + k0 * CM_NR, acc[q], k0 > 0,
+              blk->panels == 1 ? CM_PREFETCH_SELF
+                               : cm_prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR,
+                                                   CM_INT8_KC * CM_NR, q, blk->panels));
+    }
+  }
+  for (int32_t q = 0; q < blk->panels; q++) {
+    const cm_panel *pn = &r->panels[blk->first_panel + q];
+    k->dequant((size_t)pn->rows, acc[q], w + CM_NR * red, r->a_scale[stage - 1] + pn->first,
+               w_scale, c);
+    c += (size_t)pn->rows * CM_NR;
+  }
+}
+
+const cm_scheme_traits cm_scheme_int8 = {
+    .name = "INT8 W8A8",
+    .validate = validate_int8,
+    .w1_row_bytes = w1_row_bytes_int8,
+    .gemm_block = gemm_block_int8,
+};
