@@ -48,7 +48,7 @@ CM_INLINE void cm_tile_store__avx2(const int mr, const __m256 *acc0, const __m25
 
 /* body(rows, args...) for rows = mr (1..4), so the tile's loops unroll */
 #define CM_MR_SWITCH4(body, ...)          \
-  CM_EXPECT(mr >= 1 && mr <= 4); \
+  CM_EXPECT(mr >= 1 && mr <= 4);          \
   switch (mr) {                           \
     case 1: body(1, __VA_ARGS__); break;  \
     case 2: body(2, __VA_ARGS__); break;  \

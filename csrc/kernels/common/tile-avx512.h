@@ -67,7 +67,7 @@ CM_INLINE void cm_tile_store__avx512(const int mr, const __m512 *acc0, const __m
 /* One specialization per row count, so that the tile's loops unroll and the accumulators
  * stay in registers: body(rows, args...) for rows = mr (1..12). */
 #define CM_MR_SWITCH12(body, ...)          \
-  CM_EXPECT(mr >= 1 && mr <= 12); \
+  CM_EXPECT(mr >= 1 && mr <= 12);          \
   switch (mr) {                            \
     case 1: body(1, __VA_ARGS__); break;   \
     case 2: body(2, __VA_ARGS__); break;   \

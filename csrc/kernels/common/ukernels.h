@@ -195,10 +195,10 @@ typedef struct cm_int8_kernels {
 } cm_int8_kernels;
 
 typedef struct cm_fp8_kernels {
-  cm_gemm_fp8_fn gemm_decode;  /* few rows: e4m3 decoded in registers */
-  cm_fp8_to_f32_fn to_f32;     /* more rows: a chunk decoded once ... */
-  cm_gemm_f32b_fn gemm_f32b;   /* ... multiplied by every panel ... */
-  cm_fp8_fold_fn fold;         /* ... and folded in with the block scale */
+  cm_gemm_fp8_fn gemm_decode; /* few rows: e4m3 decoded in registers */
+  cm_fp8_to_f32_fn to_f32;    /* more rows: a chunk decoded once ... */
+  cm_gemm_f32b_fn gemm_f32b;  /* ... multiplied by every panel ... */
+  cm_fp8_fold_fn fold;        /* ... and folded in with the block scale */
 } cm_fp8_kernels;
 
 typedef struct cm_int4_kernels {
@@ -210,10 +210,10 @@ typedef struct cm_int4_kernels {
 
 /* One (scheme, tier) pair: the GEMM kernels and the tile they are written for. */
 typedef struct cm_gemm_config {
-  size_t mr;                 /* rows per A panel: at most the kernels' tile rows, CM_MR_MAX */
-  size_t nr;                 /* columns per B tile and C tile: CM_NR */
-  size_t kr;                 /* k values interleaved per B column: 2 (VNNI-2) or 4 (VNNI-4) */
-  cm_panel_format a_format;  /* the A panels the kernels read */
+  size_t mr;                /* rows per A panel: at most the kernels' tile rows, CM_MR_MAX */
+  size_t nr;                /* columns per B tile and C tile: CM_NR */
+  size_t kr;                /* k values interleaved per B column: 2 (VNNI-2) or 4 (VNNI-4) */
+  cm_panel_format a_format; /* the A panels the kernels read */
   /* Blocks of up to this many rows take the scheme's decode kernel (weights expanded in
    * registers, read once); larger ones decode each weight chunk once for all their panels.
    * 0: no decode kernel. Not above the decode kernel's own tile rows. */
@@ -223,7 +223,7 @@ typedef struct cm_gemm_config {
     cm_int8_kernels int8;
     cm_fp8_kernels fp8;
     cm_int4_kernels int4;
-  } kernels;                 /* the member of the config's scheme */
+  } kernels; /* the member of the config's scheme */
 } cm_gemm_config;
 
 typedef struct cm_elementwise_kernels {
@@ -277,13 +277,13 @@ const cm_tier_config *cm_active_config(void);
   float cm_absmax__##tier(size_t, const float *, float);                                   \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \
   void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);
-#define CM_DECLARE_PROBES(tier)                              \
+#define CM_DECLARE_PROBES(tier)                             \
   double cm_probe_read_chunk__##tier(const void *, size_t); \
   double cm_probe_fma_loop__##tier(int64_t);                \
   double cm_probe_int8_loop__##tier(int64_t);
-#define CM_DECLARE_UNQUANT(tier)                                                                   \
+#define CM_DECLARE_UNQUANT(tier)                                                                  \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
-                                         float *);                                                 \
+                                         float *);                                                \
   void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
                                         float *);
 #define CM_DECLARE_INT8(tier)                                                                     \
@@ -301,8 +301,8 @@ const cm_tier_config *cm_active_config(void);
   void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                \
   void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *, \
                                      float *, int);
-#define CM_DECLARE_INT4_DECODE(tier)                                                          \
-  void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t,       \
+#define CM_DECLARE_INT4_DECODE(tier)                                                   \
+  void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t, \
                                          const uint8_t *, size_t, const int32_t *, float *, int);
 
 #define CM_DECLARE_ALL_KERNELS(tier) \

@@ -44,10 +44,11 @@
       .absmax = cm_absmax__##tier,                       \
       .quantize_u8 = cm_quantize_u8__##tier,             \
   })
-#define CM_PROBE_KERNELS(tier)                                                               \
-  ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, .fma = cm_probe_fma_loop__##tier, \
+#define CM_PROBE_KERNELS(tier)                             \
+  ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, \
+                      .fma = cm_probe_fma_loop__##tier,    \
                       .int8 = cm_probe_int8_loop__##tier})
-#define CM_UNQUANT_KERNELS(tier)                                         \
+#define CM_UNQUANT_KERNELS(tier)                                        \
   ((cm_unquant_kernels){.gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier, \
                         .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier})
 #define CM_INT8_KERNELS(tier)                                   \
@@ -59,9 +60,9 @@
                     .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,   \
                     .fold = cm_fp8_fold__##tier})
 /* INT4 without a decode kernel: every block unpacks, then runs the tier's u8 x s8 GEMM */
-#define CM_INT4_UNPACK_KERNELS(tier)                                  \
-  ((cm_int4_kernels){.gemm_decode = NULL,                             \
-                     .unpack = cm_int4_unpack__##tier,                \
+#define CM_INT4_UNPACK_KERNELS(tier)                                 \
+  ((cm_int4_kernels){.gemm_decode = NULL,                            \
+                     .unpack = cm_int4_unpack__##tier,               \
                      .gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__##tier, \
                      .dequant = cm_int4_dequant_mrx32__##tier})
 

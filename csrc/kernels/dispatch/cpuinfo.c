@@ -53,12 +53,11 @@ uint64_t cm_detect_cpu_features(void) {
   const int os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
   const int os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* plus opmask, ZMM_Hi256, Hi16_ZMM */
   const int os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
-  const uint64_t avx_family = CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) |
-                              CM_FEATURE(F16C);
-  const uint64_t avx512_family = CM_FEATURE(AVX512F) | CM_FEATURE(AVX512DQ) |
-                                 CM_FEATURE(AVX512BW) | CM_FEATURE(AVX512VL) |
-                                 CM_FEATURE(AVX512VNNI) | CM_FEATURE(AVX512BF16) |
-                                 CM_FEATURE(AVX512FP16);
+  const uint64_t avx_family =
+      CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) | CM_FEATURE(F16C);
+  const uint64_t avx512_family = CM_FEATURE(AVX512F) | CM_FEATURE(AVX512DQ) | CM_FEATURE(AVX512BW) |
+                                 CM_FEATURE(AVX512VL) | CM_FEATURE(AVX512VNNI) |
+                                 CM_FEATURE(AVX512BF16) | CM_FEATURE(AVX512FP16);
   const uint64_t amx_family = CM_FEATURE(AMX_TILE) | CM_FEATURE(AMX_BF16) | CM_FEATURE(AMX_INT8);
   uint64_t usable = cpu;
   if (!os_avx) usable &= ~(avx_family | avx512_family | amx_family);

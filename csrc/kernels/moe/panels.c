@@ -111,9 +111,11 @@ static void pack_u8_quads_block_sums(const cm_run *r, const cm_panel *pn, int st
 
 const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT] = {
     [CM_PANEL_F32] = {.prepare_token = NULL, .pack = pack_f32},
-    [CM_PANEL_U8_QUADS] = {.prepare_token = prepare_token_u8, .pack = pack_u8_quads,
+    [CM_PANEL_U8_QUADS] = {.prepare_token = prepare_token_u8,
+                           .pack = pack_u8_quads,
                            .quantized = 1},
     [CM_PANEL_U8_QUADS_BLOCK_SUMS] = {.prepare_token = prepare_token_u8,
-                                      .pack = pack_u8_quads_block_sums, .quantized = 1,
+                                      .pack = pack_u8_quads_block_sums,
+                                      .quantized = 1,
                                       .block_sums = 1},
 };

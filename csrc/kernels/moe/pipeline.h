@@ -155,8 +155,8 @@ cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm
 
 /* moe/route.c: counting sort of the chunk's slots by expert, then panels and blocks;
  * sets r->n_blocks */
-void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
-                    cm_panel *panels, cm_block *blocks);
+void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights, cm_panel *panels,
+                    cm_block *blocks);
 
 /* Expert of a slot (an index into topk_ids): 0 for every slot without ids. */
 static inline int64_t cm_slot_expert(const cpumoe_moe_problem *p, int64_t slot) {

@@ -20,8 +20,8 @@ static float slot_weight(const cpumoe_moe_problem *p, int64_t slot) {
   }
 }
 
-void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights,
-                    cm_panel *panels, cm_block *blocks) {
+void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights, cm_panel *panels,
+                    cm_block *blocks) {
   const cpumoe_moe_problem *p = r->p;
   const int64_t slots = r->mc * p->topk, base = r->m0 * p->topk;
   memset(offsets, 0, sizeof(int64_t) * (size_t)(p->E + 1));

@@ -74,8 +74,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
         const size_t rows = (size_t)pn->rows;
         const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red +
                              (size_t)k_begin * rows;
-        k->gemm_decode(rows, (size_t)(k_end - k_begin), panel, rows, w + k_begin * CM_NR,
-                        col_scale, cq, kb > 0);
+        k->gemm_decode(rows, (size_t)(k_end - k_begin), panel, rows, w + k_begin * CM_NR, col_scale,
+                       cq, kb > 0);
         cq += rows * CM_NR;
       }
       continue;

@@ -76,8 +76,7 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       k->gemm_decode((size_t)pn->rows, &w, 0, k_blocks, panels + (size_t)pn->first * red,
-                       (size_t)pn->rows, r->q_sums[stage - 1] + (size_t)pn->first * k_blocks, cq,
-                       0);
+                     (size_t)pn->rows, r->q_sums[stage - 1] + (size_t)pn->first * k_blocks, cq, 0);
       cq += (size_t)pn->rows * CM_NR;
     }
   } else {
@@ -102,7 +101,7 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
               unpacked + b * bk * CM_NR, acc, 0,
               cm_prefetch_share(next_chunk, next_bytes, q * (int32_t)nb + (int32_t)b, calls));
           k->dequant(rows, acc, w.blocks + kb * cm_int4_block_bytes(bk) + 16 * bk,
-                              w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);
+                     w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);
         }
         cq += rows * CM_NR;
       }
