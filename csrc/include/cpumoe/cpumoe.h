@@ -89,7 +89,7 @@ typedef struct cpumoe_runner {
 
 /* ---- fused MoE ---------------------------------------------------------------
  * out[m] = sum_j topk_weights[m,j] * W2[e] @ act(W1[e] @ x[m] + b1[e]) + b2[e] ...
- * with e = topk_ids[m,j], slots with id -1 skipped; see docs/ and DESIGN.md §1.
+ * with e = topk_ids[m,j], slots with id -1 skipped (docs/MATH.md states it in full).
  * Rounding points: h in fp32, act(h) rounded to the activation dtype, y in fp32,
  * g*y and the sum over slots in fp32, one rounding of the final sum. */
 typedef struct cpumoe_moe_problem {

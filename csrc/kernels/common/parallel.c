@@ -4,12 +4,10 @@
 #include <sched.h>
 #include <stdatomic.h>
 
-/* Pause-spins before a worker waiting at a stage's end starts yielding the CPU. Qwen3 int4,
- * one process alternating: 2 threads on this 2-core VM, M=64 medians 17.44, 15.63, 15.63
- * ms with 256 spins vs 17.33, 15.70, 15.74 spinning only (M=1 0.81, 0.80, 0.77 vs 0.81,
- * 0.80, 0.76 ms); torch.set_num_threads(8), M=64: 16.34, 15.71 vs 36.05, 36.20 ms, where the
- * spinning workers held the cores the workers they waited for needed (stage by stage, with
- * OpenMP's own waits, 8 threads had taken 19.2 ms and 16 threads 18.6 ms). */
+/* Pause-spins before a worker waiting at a stage's end starts yielding the CPU. With as many
+ * threads as cores, spinning only and yielding after 256 spins time the same; with more
+ * threads than cores, spinning workers hold the cores that the workers they wait for need,
+ * and yielding avoids that (docs/PERFORMANCE-HISTORY.md). */
 #define CM_STAGE_WAIT_SPINS 256
 
 int64_t cm_worker_count(const cpumoe_runner *runner, int64_t limit) {
@@ -54,13 +52,8 @@ static void init_segments(_Atomic uint64_t *segment, int64_t workers, int64_t n)
  * worker walks its own segment front to back in adjacent runs: its kernels' read-ahead past
  * a tile's end fetches the tile it runs next, and the stream breaks only where it steals
  * once its segment is done (from the back, so owner and thief do not meet until the end).
- * Qwen3, 2 threads, 8 weight copies cycled, one process alternating, 3 x 50 calls, against
- * one shared counter handing out runs of remaining / (2 workers), whose next run was
- * rarely adjacent to the last: int4 M=1 medians 0.87, 0.84, 0.89 vs 0.90, 0.90, 0.94 ms;
- * int8 M=1 (5 copies, 3 x 40) 1.56, 1.53, 1.55 vs 1.57, 1.55, 1.57 ms; fp8 M=1, int4
- * M=64 and int8 M=512 within noise. (That counter in turn had made Qwen3 M=1 int4
- * 0.93-0.99 vs 1.21-1.26 ms against one task per claim, int8 M=512 57.0-63.9 vs
- * 64.9-72.7 ms.) */
+ * Runs, not single tasks, keep claims cheap (one atomic per run); adjacent runs keep each
+ * worker's weight stream unbroken (A/B figures: docs/PERFORMANCE-HISTORY.md). */
 static int64_t claim_run(task_queue *q, int64_t s, int steal, int64_t *count) {
   uint64_t v = atomic_load_explicit(&q->segment[s], memory_order_relaxed);
   for (;;) {

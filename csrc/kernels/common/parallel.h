@@ -38,11 +38,8 @@ typedef struct cm_stage {
 
 /* cm_parallel_tasks for each stage in order, every task of a stage finished (its writes
  * visible) before any task of the next starts, in one request to the runner: the workers
- * wait for each other between stages instead of being started and joined once per stage.
- * A Qwen3-shaped int4 call with 8 tiny experts (K = 256, N = 128, one token, two threads,
- * op timed from Python, 3 x 4000 calls alternating): medians 24.1, 25.9, 27.4 vs 30.0,
- * 31.8, 34.0 us with one cm_parallel_tasks per stage; Qwen3 int4 M=1, one weight copy
- * (3 x 150 calls): 0.78, 0.83, 0.94 vs 0.79, 0.85, 0.96 ms. */
+ * wait for each other between stages instead of being started and joined once per stage,
+ * which costs a small call most (docs/PERFORMANCE-HISTORY.md). */
 void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int n_stages,
                         void *ctx);
 

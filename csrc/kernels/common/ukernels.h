@@ -39,21 +39,19 @@ typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, siz
  * evenly over its reduction loop: the weights that the calls after it will read. The
  * pipeline hands each panel of a block an equal share of the next weight chunk, so the
  * requests trickle out over the whole chunk instead of bursting in the first panel's pass
- * (a burst fills the core's miss buffers and stalls the loads of the dot products;
- * measured streaming from DRAM, one thread: 6.7 -> 8.7 GB/s, 430 -> 560 GOP/s).
- * The lines go to L2 (prefetcht1), where the next chunk waits until its pass: Qwen3 and
- * Mixtral int8 decode, in one process alternating with prefetcht0: 7-12% faster (medians
- * 3.80-4.00 vs 4.21-4.38 ms, 27.3-28.6 vs 29.1-31.9 ms); M=512 unchanged (105.7 vs 103.4 ms).
- * A hint only: prefetching never faults, and a tier may ignore it. */
+ * (a burst fills the core's miss buffers and stalls the loads of the dot products).
+ * The lines go to L2 (prefetcht1), where the next chunk waits until its pass without
+ * evicting the chunk in use from L1. A hint only: prefetching never faults, and a tier may
+ * ignore it. (Measurements: docs/PERFORMANCE-HISTORY.md.) */
 typedef struct cm_prefetch {
   const char *start;
   size_t lines;
 } cm_prefetch;
 
 /* No share: a caller whose call is the only one on its weights (a block of one panel)
- * lets the kernel read ahead on its own, as the decode kernels of the other schemes do;
- * on avx512 that streamed 5-14% faster at decode than the same lines requested as a
- * share (schemes/int8/gemm-avx512.c). */
+ * lets the kernel read ahead on its own, as the decode kernels of the other schemes do:
+ * its own distance ahead of the loads streams faster than the same lines requested as a
+ * share. */
 #define CM_PREFETCH_SELF ((cm_prefetch){NULL, 0})
 
 /* A spread in progress: the next line to request, the end, and the credit toward the next

@@ -190,11 +190,13 @@ static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, s
 void cm_fp8_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const float *a, size_t as,
                                       const uint8_t *b, const float *scale, float *c,
                                       int accumulate) {
+  CM_EXPECT(kc % 2 == 0 && as >= mr);
   CM_MR_SWITCH12(gemm_body, kc, a, as, b, scale, c, accumulate)
 }
 
 void cm_f32_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const float *a, size_t as,
                                       const float *b, float *c, int accumulate) {
+  CM_EXPECT(as >= mr);
   CM_MR_SWITCH12(gemm_f32b_body, kc, a, as, b, c, accumulate)
 }
 

@@ -16,6 +16,7 @@ static float decoded(const uint8_t *b, size_t k, size_t n) {
 void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
                                       const uint8_t *b, const float *scale, float *c,
                                       int accumulate) {
+  CM_EXPECT(kc % 2 == 0 && as >= mr && mr >= 1 && mr <= CM_MR_MAX);
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {
       float p = 0.0f;
@@ -26,6 +27,7 @@ void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size
 
 void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
                                       const float *b, float *c, int accumulate) {
+  CM_EXPECT(as >= mr && mr >= 1 && mr <= CM_MR_MAX);
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {
       float acc = accumulate ? c[r * CM_NR + n] : 0.0f;

@@ -17,23 +17,16 @@
  * vpdpbusd as they are and the activations the signed one (q = (q + 128) ^ 0x80), so a
  * k-quad costs and, shift, and for 64 weight bytes plus, per row, a broadcast, a xor and
  * two vpdpbusd; the zero points come in once per block as zero x sum q, with the per-row
- * block sums of q computed once per call by the pipeline (moe/fused-experts.c). At mr = 1
+ * block sums of q computed once per call by the pipeline (moe/panels.c). At mr = 1
  * that is 6 vector uops per 64 bytes of weights. Accumulators: 2 int32 + 2 fp32 per row,
  * 16 zmm at mr = 4, plus constants and temporaries: under 32 zmm, no spills. Larger blocks
  * of rows take the unpack path.
  *   This replaced subtracting the zero points from the nibbles (two more uops per k-quad)
- * and the +128 of the activations with column sums of w - zero (two more vpdpbusd): Qwen3
- * int4, 8 weight copies cycled, one process alternating: M=1 (3 x 80 calls) medians 0.87,
- * 0.92, 0.91 vs 0.94, 0.97, 0.96 ms and 0.94, 0.91, 0.93 vs 1.01, 1.00, 1.02 ms in a
- * second run; M=4 (3 x 40) 3.47, 3.23, 3.43 vs 3.79, 3.41, 3.55 ms. Taking the +128 from
- * the comp the block stores instead of the xor was as slow as the old kernel (M=1 1.02,
- * 1.02, 1.03 vs 1.02, 1.04, 1.03 ms).
+ * and the +128 of the activations with column sums of w - zero (two more vpdpbusd).
  *
  * The decode GEMM never reads a block's comp: its read-ahead requests only nibble lines
  * (the same k-quad some blocks ahead). That keeps the 128 comp bytes of every 2 KiB block
- * (6%) out of the stream: Qwen3 int4 M=1, 8 copies of the weights cycled (so they come from
- * DRAM), one process alternating, 3 x 60 calls: medians 0.86, 1.02, 1.01 vs 0.90, 1.07,
- * 1.07 ms with the comp loaded.
+ * (6%) out of the stream.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -45,28 +38,19 @@
 
 #define MR_DECODE 4
 /* Decode GEMM, bytes of nibbles requested ahead (the L2 streamer stops at 4 KiB pages):
- * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks. Earlier a
- * single prefetcht0: 4 KiB was the best of 1/2/4/8 KiB (int8/int4 time ratio 1.43-1.45x
- * at 2 KiB, 1.55-1.56x at 4 KiB, 1.57x at 8 KiB), and the pair is 5-7% faster than it
- * (Qwen3 M=1, one process, rotating order, 3 x 40 calls each: medians 2.15-2.18 vs
- * 2.20-2.32 ms); 4+12 and 2+16 KiB did as well, prefetcht1 alone at 8 or 16 KiB not. */
+ * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks: faster than the
+ * best single prefetcht0 distance (docs/PERFORMANCE-HISTORY.md). */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
 #define CM_INT4_PREFETCH_L2_BYTES 8192
 /* The zero points and scales live in arrays of their own, which no read-ahead above
  * covers: the decode GEMM requests those of the group this many groups ahead into L1 (past
- * the tile's last group they are the next tile's). Streaming 1 GiB of Qwen3 w1 tiles from
- * DRAM through the kernel, one thread, mr = 1: 13.0-13.1 vs 11.4-12.4 GB/s (plain read
- * 12.6-13.2 GB/s, int8 kernel 12.9-13.9 GB/s, same runs); Qwen3 int4 in one process,
- * alternating, 3 x 48 calls, one worker: M=1 medians 1.80-1.84 vs 1.84-1.87 ms, M=4
- * 6.66-6.76 vs 6.90-6.97 ms; two workers, M=1: 0.96-0.97 vs 0.95-0.99 ms (minima
- * 0.83-0.86 vs 0.86-0.89 ms). */
+ * the tile's last group they are the next tile's). Without it, one thread streamed below
+ * the plain read bandwidth. */
 #define CM_INT4_META_GROUPS_AHEAD 4
 
 /* Whole blocks whose nibbles cover `bytes`. Counted, not divided: it runs on every tile,
  * and with 64-bit divisions here and per block (group = kb / group_blocks, ahead of the
- * zero-point loads) the decode GEMM was slower. Qwen3 int4, 8 weight copies cycled, one
- * process alternating: M=1 (3 x 80 calls) medians 0.79, 0.79, 0.74 vs 0.82, 0.81, 0.76 ms;
- * M=4 (3 x 40) 2.93, 2.77, 2.80 vs 3.11, 2.95, 2.89 ms. */
+ * zero-point loads) the decode GEMM was measurably slower. */
 static inline size_t blocks_covering(size_t bytes, size_t bk) {
   size_t blocks = 1;
   for (size_t covered = 16 * bk; covered < bytes; covered += 16 * bk) blocks++;
@@ -197,6 +181,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
 void cm_int4_gemm_f32acc_mrx32__avx512(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
                                        const uint8_t *a, size_t as, const int32_t *q_sums, float *c,
                                        int accumulate) {
+  CM_EXPECT(as >= mr);
   CM_MR_SWITCH4(gemm_body, w, kb0, nb, a, as, q_sums, c, accumulate)
 }
 
@@ -209,7 +194,7 @@ void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
     zero_lanes(w->zeros + (kb / w->group_blocks) * CM_NR, &zlo, &zhi);
     int8_t *out = dst + b * bk * CM_NR;
     for (size_t kq = 0; kq < bk / 4; kq++) {
-      __m512i wlo, whi; /* prefetched by the pipeline's GEMM calls (moe/fused-experts.c) */
+      __m512i wlo, whi; /* prefetched by the pipeline's GEMM calls (schemes/int4/scheme.c) */
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
       _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
       _mm512_storeu_si512(out + kq * 128 + 64,

@@ -60,7 +60,7 @@ static cm_int4_tile int4_tile(const cm_run *r, int stage, int64_t expert, int64_
 /* Few rows: nibbles expand in registers (decode: the weights are read once). More rows:
  * each chunk of blocks is unpacked once into an L1-resident s8 tile that every panel runs
  * the u8 x s8 GEMM on, while those GEMM calls prefetch the next chunk's packed blocks in
- * equal shares (a burst in the unpack loop was 5-8% slower at Qwen3 M=512). Both paths give
+ * equal shares (a burst in the unpack loop stalls it on the memory system). Both paths give
  * the same bits (exact block sums, one fmaf per block). The per-row activation scale
  * multiplies the finished tile. */
 static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int64_t row0,

@@ -78,6 +78,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
 void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
                                      const int8_t *b, int32_t *acc, int accumulate,
                                      cm_prefetch prefetch) {
+  CM_EXPECT(kc % 4 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 

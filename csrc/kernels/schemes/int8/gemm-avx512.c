@@ -11,13 +11,12 @@
  * Tile 12 x 32 and why: per k-quad, 2 B vectors; each row needs 2 int32 accumulators
  * and one broadcast dword of A (vpdpbusd takes the u8 operand only from a register).
  * 12 x 2 + 2 + 1 = 27 of 32 zmm; 24 vpdpbusd per 2 B loads and 12 broadcast loads, so
- * the dot-product port, not the loads, is the limit (measured: 99% of the probe's peak
- * with operands in cache, K = 2048).
+ * the dot-product port, not the loads, is the limit (with operands in cache it runs at
+ * the probe's peak).
  * Dequantization is a separate function on the stored tile: with its operands live
  * across the k loop, GCC shuffled the accumulators through the stack (half speed).
  * Memory: the caller's share of the next weight chunk is prefetched a line at a time across
- * the k loop (cm_prefetch, common/ukernels.h); streamed from DRAM, one thread, that took the
- * kernel from 423-434 to 529-571 GOP/s (probe peak 610-700 GOP/s in the same hour). The
+ * the k loop (cm_prefetch, common/ukernels.h), so streaming overlaps the dot products. The
  * lines just ahead are requested into L1 as well (CM_INT8_PREFETCH_L1_BYTES). A caller with
  * nothing to share (CM_PREFETCH_SELF) gets a fixed read-ahead into L2 instead
  * (CM_INT8_PREFETCH_L2_BYTES).
@@ -30,15 +29,11 @@
 
 #define MR 12
 /* Both lines of a k-quad this far ahead go to L1 (prefetcht0), on top of the caller's share
- * of the next chunk, which goes to L2. Qwen3 int8 M=1, one process alternating with and
- * without (rotating order, distinct routings, 3 x 48 calls each): medians 3.12-3.18 vs
- * 3.29-3.32 ms; M=512 unchanged (median 141.9 vs 141.8 ms); 1 KiB: no gain. */
+ * of the next chunk, which goes to L2: faster at decode, no change at prefill, and 1 KiB
+ * gained nothing (docs/PERFORMANCE-HISTORY.md). */
 #define CM_INT8_PREFETCH_L1_BYTES 2048
 /* Read-ahead into L2 for CM_PREFETCH_SELF: the same lines that a whole-chunk share would
- * request (8 KiB ahead, 2 per k-quad), without the cursor's bookkeeping. Qwen3 and Mixtral
- * int8 M=1, one process, rotating order, 3 x 48 (12) calls each, one worker: medians
- * 3.08-3.14 vs 3.23-3.34 ms and 27.6-27.7 vs 30.3-30.5 ms; Qwen3, two workers: 1.47-1.49
- * vs 1.56-1.57 ms. */
+ * request (8 KiB ahead, 2 per k-quad), without the cursor's bookkeeping. */
 #define CM_INT8_PREFETCH_L2_BYTES 8192
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
@@ -79,6 +74,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
 void cm_u8s8_gemm_s32acc_mrx32__avx512(size_t mr, size_t kc, const uint8_t *a, size_t as,
                                        const int8_t *b, int32_t *acc, int accumulate,
                                        cm_prefetch prefetch) {
+  CM_EXPECT(kc % 4 == 0 && as >= mr);
   CM_MR_SWITCH12(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 

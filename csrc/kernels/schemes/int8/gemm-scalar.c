@@ -12,6 +12,7 @@
 void cm_u8s8_gemm_s32acc_mrx32__scalar(size_t mr, size_t kc, const uint8_t *a, size_t as,
                                        const int8_t *b, int32_t *acc, int accumulate,
                                        cm_prefetch prefetch) {
+  CM_EXPECT(kc % 4 == 0 && as >= mr && mr >= 1 && mr <= CM_MR_MAX);
   (void)prefetch; /* the portable reference leaves memory to the hardware */
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {

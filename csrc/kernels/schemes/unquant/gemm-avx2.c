@@ -67,10 +67,12 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
 
 void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
                                      const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, W_BF16, k, a, as, b, c)
 }
 
 void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
                                     const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, W_F16, k, a, as, b, c)
 }

@@ -26,10 +26,8 @@
 
 #define MR CM_TILE_MR_AVX512
 /* Decode prefetch, bytes of weights ahead: both lines of a k pair 2 KiB ahead into L1
- * (prefetcht0) and 8 KiB ahead into L2 (prefetcht1). Before: 4 KiB ahead into L1 only, the
- * best of 1/2/4/8 KiB then. Qwen3 bf16 M=1, one process alternating them (rotating order,
- * 3 x 40 calls each): medians 6.09-6.44 vs 7.17-7.53 ms; M=16 63.9-67.9 vs 66.6-71.1 ms;
- * M=512 unchanged (372-425 vs 412-428 ms). */
+ * (prefetcht0) and 8 KiB ahead into L2 (prefetcht1): faster at decode than 4 KiB into L1
+ * only, the best single distance (docs/PERFORMANCE-HISTORY.md). */
 #define CM_PREFETCH_L1_BYTES 2048
 #define CM_PREFETCH_L2_BYTES 8192
 
@@ -69,10 +67,12 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
 
 void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
                                        const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH12(gemm_body, W_BF16, k, a, as, b, c)
 }
 
 void cm_f16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
                                       const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH12(gemm_body, W_F16, k, a, as, b, c)
 }

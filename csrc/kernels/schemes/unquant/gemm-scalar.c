@@ -30,10 +30,12 @@ static inline void gemm_16bit_scalar(size_t mr, size_t k, const float *restrict 
 
 void cm_bf16_gemm_f32acc_mrx32__scalar(size_t mr, size_t k, const float *a, size_t a_stride,
                                        const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && a_stride >= mr && mr >= 1 && mr <= CM_MR_MAX);
   gemm_16bit_scalar(mr, k, a, a_stride, b, c, cm_bf16_to_f32);
 }
 
 void cm_f16_gemm_f32acc_mrx32__scalar(size_t mr, size_t k, const float *a, size_t a_stride,
                                       const uint16_t *b, float *c) {
+  CM_EXPECT(k % 2 == 0 && a_stride >= mr && mr >= 1 && mr <= CM_MR_MAX);
   gemm_16bit_scalar(mr, k, a, a_stride, b, c, cm_f16_to_f32);
 }
