@@ -18,7 +18,6 @@ import os
 import sys
 import zlib
 
-import pytest
 import torch
 
 import cpumoe
