@@ -88,7 +88,7 @@ setup(
     name="cpumoe",
     version="0.1.0",
     package_dir={"": "python"},
-    packages=["cpumoe"],
+    packages=["cpumoe", "cpumoe.bench"],
     ext_modules=[
         CppExtension(
             name="cpumoe._C",

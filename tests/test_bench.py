@@ -17,6 +17,8 @@ import torch
 
 import cpumoe
 from cpumoe import bench
+from cpumoe.bench import machine as bench_machine
+from cpumoe.bench import timing as bench_timing
 from cpumoe_testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +39,9 @@ def keep_threads():
 @pytest.fixture
 def fast_limits(monkeypatch):
     """Shorter FMA / u8*s8 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
-    fma, i8 = bench._fma_peak_samples, bench._int8_peak_samples
-    monkeypatch.setattr(bench, "_fma_peak_samples", lambda: fma(0.05, 2))
-    monkeypatch.setattr(bench, "_int8_peak_samples", lambda: i8(0.05, 2))
+    fma, i8 = bench_machine._fma_peak_samples, bench_machine._int8_peak_samples
+    monkeypatch.setattr(bench_machine, "_fma_peak_samples", lambda: fma(0.05, 2))
+    monkeypatch.setattr(bench_machine, "_int8_peak_samples", lambda: i8(0.05, 2))
 
 
 def _perf_tables():
@@ -166,7 +168,7 @@ def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
     (s,) = c["thread_scaling"]
     assert s["threads"] == 1 and s["iters"] == 2 and s["ms"] > 0
     assert s["scaling"] == pytest.approx(s["ms"] / c["ms"])
-    assert s["identical_output"] is True  # DESIGN.md: results do not depend on the thread count
+    assert s["identical_output"] is True  # docs/ARCHITECTURE.md: same bits for any thread count
     t_bw = c["weight_bytes"] / lim1["read_gbps"] / 1e6
     t_ops = c["flops"] / lim1["fma_peak_gflops"] / 1e6
     assert s["bound_ms"] == pytest.approx(max(t_bw, t_ops))  # against the 1-thread limits
@@ -325,17 +327,17 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
 def test_weight_layers_default(monkeypatch):
     """Enough copies for max(1 GiB, 8 x LLC), at most MAX_WEIGHT_LAYERS and a quarter of the
     available memory, at least one."""
-    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 300 << 20)
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(bench_machine, "last_level_cache_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: 24 << 30)
     assert bench.default_weight_layers(344_000_000) == 8  # ceil(2400 MiB / 344 MB)
     assert bench.default_weight_layers(1208 << 20) == 2
     assert bench.default_weight_layers(4 << 30) == 1
     assert bench.default_weight_layers(1 << 20) == bench.MAX_WEIGHT_LAYERS
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 2 << 30)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: 2 << 30)
     assert bench.default_weight_layers(200 << 20) == 2  # a quarter of 2 GiB
     assert bench.default_weight_layers(1 << 30) == 1
-    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: None)
+    monkeypatch.setattr(bench_machine, "last_level_cache_bytes", lambda: None)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: None)
     assert bench.default_weight_layers(256 << 20) == 4  # 1 GiB
 
 
@@ -386,7 +388,7 @@ def test_interleaved_calls_alternate(monkeypatch):
     a = bench.ExpertWeights(shape, "bf16", scheme="bf16")
     b = bench.ExpertWeights(shape, "bf16", scheme="int8")
     seen = []
-    real = bench.fused_experts
+    real = bench_timing.fused_experts
 
     def spy(x, w1, w2, topk_weights, topk_ids, **kw):
         method = kw.get("moe_comp_method", 0)
@@ -395,7 +397,7 @@ def test_interleaved_calls_alternate(monkeypatch):
             time.sleep(0.004)  # bf16 made slower: its median must show it
         return real(x, w1, w2, topk_weights, topk_ids, **kw)
 
-    monkeypatch.setattr(bench, "fused_experts", spy)
+    monkeypatch.setattr(bench_timing, "fused_experts", spy)
     rec = bench.run_interleaved(shape, 2, [a, b], iters=6, weight_layers=2)
     timed = seen[-12:]  # after the warm-up calls
     assert [m for m, _, _ in timed] == [0, 1, 1, 0] * 3
