@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -435,3 +437,98 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     assert "| shape | pair | M=1 | M=3 |" in md
     assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
             f"{recs[1]['ratio']:.2f} |") in md
+
+
+# ---- what the package was built from, and the CPU, in every JSON document -------------------
+
+FAKE_BUILD = {"GIT_COMMIT": "0123456789abcdef0123456789abcdef01234567", "DIRTY": True,
+              "COMPILER": "cc (Test) 1.2.3", "CC": "cc"}
+
+
+def _fake_build_info(monkeypatch, values):
+    """Makes ``from cpumoe import _build_info`` see a module holding ``values`` (None: no
+    such module, as in a source tree)."""
+    module = None
+    if values is not None:
+        module = types.ModuleType("cpumoe._build_info")
+        for k, v in values.items():
+            setattr(module, k, v)
+    monkeypatch.delattr(cpumoe, "_build_info", raising=False)
+    monkeypatch.setitem(sys.modules, "cpumoe._build_info", module)
+
+
+def _cpuinfo_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f
+                         if ln.lower().startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def test_bench_json_records_build_and_cpu(tmp_path, fast_limits, monkeypatch, capsys):
+    _fake_build_info(monkeypatch, FAKE_BUILD)
+    path = tmp_path / "build.json"
+    assert bench.main(["--shape", SHAPE, "--scheme", "bf16", "--m", "1", "--iters", "1",
+                       "--bw-mib", "64", "--threads", "1", "--no-baseline",
+                       "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["build"] == {"git_commit": FAKE_BUILD["GIT_COMMIT"], "dirty": True,
+                            "compiler": "cc (Test) 1.2.3", "cc": "cc"}
+    m = doc["machine"]
+    model = _cpuinfo_model()
+    if model is not None:
+        assert m["cpu_model"] == model
+    assert m["cpu_model"] and m["cpu_features"] == cpumoe.cpu_features()
+    capsys.readouterr()
+
+
+def test_build_info_unknown_without_the_generated_module(monkeypatch):
+    _fake_build_info(monkeypatch, None)
+    assert bench.build_info() == {"git_commit": "unknown", "dirty": "unknown",
+                                  "compiler": "unknown", "cc": "unknown"}
+    _fake_build_info(monkeypatch, {**FAKE_BUILD, "DIRTY": False})
+    assert bench.build_info()["dirty"] is False
+
+
+def test_info_json_has_build(monkeypatch, capsys):
+    from cpumoe.__main__ import info_main
+
+    _fake_build_info(monkeypatch, FAKE_BUILD)
+    assert info_main(["--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["build"]["git_commit"] == FAKE_BUILD["GIT_COMMIT"]
+    assert info_main([]) == 0
+    out = capsys.readouterr().out
+    assert f"commit {FAKE_BUILD['GIT_COMMIT']} (tree had changes)" in out
+    assert "cc (Test) 1.2.3" in out
+
+
+def _git(*args):
+    res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return res.stdout if res.returncode == 0 else None
+
+
+def test_setup_build_py_writes_build_info(tmp_path):
+    """setup.py's build_py writes cpumoe/_build_info.py into the build output (not into the
+    source tree) with this checkout's commit, its state and the compiler."""
+    head = shutil.which("git") and _git("rev-parse", "HEAD")
+    if not head:
+        pytest.skip("not a git checkout (or no git)")
+    status_before = _git("status", "--porcelain")
+    out = tmp_path / "lib"
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    recorded = {}
+    exec((out / "cpumoe" / "_build_info.py").read_text(), recorded)
+    assert recorded["GIT_COMMIT"] == head.strip()
+    assert recorded["DIRTY"] is bool(status_before.strip())
+    cc = os.environ.get("CC", "cc")
+    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True)
+    assert recorded["COMPILER"] == (version.stdout.splitlines()[0].strip()
+                                    if version.returncode == 0 else "unknown")
+    assert recorded["CC"] == cc
+    assert not os.path.exists(os.path.join(PYTHON_DIR, "cpumoe", "_build_info.py"))
+    assert (out / "cpumoe" / "bench" / "__init__.py").exists()  # the subpackage is built too

@@ -38,7 +38,8 @@ cpumoe's calls cycle through copies of the weights, as through the layers of a m
 (:func:`default_weight_layers`), so expert weights come from DRAM rather than from cache.
 cpumoe and the baselines see the same routings (the subprocess regenerates them from the
 seed). ``benchmarks/README.md`` describes the method and the output fields; ``--plot
-FILE.png`` draws the roofline picture (:func:`write_plot`, needs matplotlib).
+FILE.png`` draws the roofline picture (:func:`write_plot`, needs matplotlib). The JSON
+document (``--json``) also records what the package was built from (:func:`build_info`).
 
 The modules, by responsibility: :mod:`~cpumoe.bench.cli` (options, entry point, the run),
 :mod:`~cpumoe.bench.shapes` (model shapes, routings), :mod:`~cpumoe.bench.machine`
@@ -85,6 +86,7 @@ from .machine import (
     MAX_WEIGHT_LAYERS,
     Limits,
     OthersLoad,
+    build_info,
     cpu_busy_fraction,
     cpu_model_name,
     default_read_buffer_bytes,
@@ -135,7 +137,8 @@ __all__ = [
     "ALL_M", "BASELINES", "DEFAULT_M", "DEFAULT_SHAPE", "DTYPES", "FP8_BLOCK", "INT4_GROUPS",
     "MAX_WEIGHT_LAYERS", "NOISY", "QUICK", "SCHEMES", "SHAPES", "Baseline", "ExpertWeights",
     "Limits", "OthersLoad", "Routing", "Scheme", "SchemeWeights", "Shape", "add_arguments",
-    "baseline_int4pack_moe", "baseline_int8pack_moe", "baseline_moe", "build_parser", "case_others_fraction", "cpu_busy_fraction",
+    "baseline_int4pack_moe", "baseline_int8pack_moe", "baseline_moe", "build_info",
+    "build_parser", "case_others_fraction", "cpu_busy_fraction",
     "cpu_model_name", "default_read_buffer_bytes", "default_weight_layers",
     "format_header_row", "format_row", "fused_experts", "int4_group_size",
     "int4pack_unavailable", "int8pack_unavailable", "last_level_cache_bytes",

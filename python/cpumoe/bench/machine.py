@@ -1,8 +1,9 @@
 """The machine: what ``python -m cpumoe info`` shows (CPU model, cache, features, tiers;
-:func:`machine_info`), how busy the other processes keep the CPUs (:class:`OthersLoad`),
-and the limits every row is judged against (docs/PERFORMANCE.md): streaming-read
-bandwidth, fp32 FMA and u8*s8 peaks (:func:`measure_limits`, :class:`Limits`), and how
-many weight copies reach DRAM (:func:`default_weight_layers`)."""
+:func:`machine_info`), what the package was built from (:func:`build_info`), how busy the
+other processes keep the CPUs (:class:`OthersLoad`), and the limits every row is judged
+against (docs/PERFORMANCE.md): streaming-read bandwidth, fp32 FMA and u8*s8 peaks
+(:func:`measure_limits`, :class:`Limits`), and how many weight copies reach DRAM
+(:func:`default_weight_layers`)."""
 
 from __future__ import annotations
 
@@ -315,3 +316,24 @@ def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None) -> dict:
     return {"threads": torch.get_num_threads(), "read": bw, "fma": fma, "int8": i8,
             "limits": Limits(max(bw["samples_gbps"]), max(fma["samples_gflops"]),
                              max(i8["samples_gops"]) if i8 else None)}
+
+
+
+UNKNOWN = "unknown"
+
+
+def build_info() -> dict:
+    """What the package was built from, as setup.py's build_py step wrote it into
+    ``cpumoe/_build_info.py``: ``git_commit``, ``dirty`` (whether the checkout had changes,
+    untracked files included), ``compiler`` (the first line of ``$CC --version``, CC being
+    ``cc`` unless set) and ``cc`` (that command). Each is "unknown" when the package was not
+    built that way (a source tree with the extension built in place has no such file) or
+    the build could not tell (no git)."""
+    try:
+        from .. import _build_info as recorded
+    except ImportError:
+        recorded = None
+    return {"git_commit": getattr(recorded, "GIT_COMMIT", UNKNOWN),
+            "dirty": getattr(recorded, "DIRTY", UNKNOWN),
+            "compiler": getattr(recorded, "COMPILER", UNKNOWN),
+            "cc": getattr(recorded, "CC", UNKNOWN)}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 import torch
 
 from .baselines import BASELINES, _speedup_key
-from .machine import Limits, _GiB
+from .machine import Limits, _GiB, build_info
 from .schemes import SCHEMES
 from .shapes import DTYPES
 
@@ -366,7 +366,8 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
                    capped: Optional[dict], cases: List[dict], interleaved: List[dict],
                    wall: float) -> dict:
     """The ``--json`` document (benchmarks/README.md lists its fields): ``machine`` (what
-    ``python -m cpumoe info`` shows, with the limits measured), ``settings``, ``cases``,
+    ``python -m cpumoe info`` shows, with the limits measured), ``build`` (what the package
+    was built from: :func:`cpumoe.bench.machine.build_info`), ``settings``, ``cases``,
     ``interleaved``, ``wall_seconds``, ``timestamp``."""
     main = limits_by_threads[plan.threads]
     limits, bw0, fma, i8 = main["limits"], main["read"], main["fma"], main["int8"]
@@ -398,6 +399,7 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
     })
     return {
         "machine": machine,
+        "build": build_info(),
         "settings": {
             "shapes": [s.name for s in plan.shapes], "m": args.m, "schemes": plan.schemes,
             "skipped_schemes": plan.skipped, "dtype": args.dtype, "threads": args.threads,
