@@ -532,3 +532,119 @@ def test_setup_build_py_writes_build_info(tmp_path):
     assert recorded["CC"] == cc
     assert not os.path.exists(os.path.join(PYTHON_DIR, "cpumoe", "_build_info.py"))
     assert (out / "cpumoe" / "bench" / "__init__.py").exists()  # the subpackage is built too
+
+
+# ---- python -m cpumoe bench compare A.json B.json ----------------------------------------------
+
+
+def _case(scheme, M, ms, threads=2, baseline_ms=None, scaling=()):
+    return {"shape": "qwen3-30b-a3b", "scheme": scheme, "dtype": "bf16", "M": M,
+            "threads": threads, "ms": ms, "baseline_ms": baseline_ms, "int8pack_ms": None,
+            "int4pack_ms": None, "eager_capped_ms": None,
+            "thread_scaling": [{"threads": t, "ms": v} for t, v in scaling]}
+
+
+def _doc(cases, commit="unknown"):
+    return {"machine": {"tier": "avx512", "threads": 2, "cpu_model": "Test CPU"},
+            "build": {"git_commit": commit, "dirty": False, "compiler": "cc", "cc": "cc"},
+            "settings": {"threads": [2], "dtype": "bf16"}, "cases": cases,
+            "interleaved": [], "timestamp": "2026-11-25T00:00:00+0000"}
+
+
+def _write(tmp_path, name, doc):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+def test_compare_matches_cases_and_computes_ratios(tmp_path, capsys):
+    a = _doc([_case("bf16", 1, 2.0, baseline_ms=10.0, scaling=[(1, 3.0)]),
+              _case("int8", 1, 1.0), _case("int8", 64, 5.0)], commit="a" * 40)
+    b = _doc([_case("int8", 1, 0.5), _case("bf16", 1, 3.0, baseline_ms=10.0,
+                                           scaling=[(1, 3.0)]),
+              _case("fp8", 1, 1.5)])
+    result = bench.compare_documents(a, b)
+    got = {r["key"]: (r["a_ms"], r["b_ms"], r["ratio"]) for r in result["rows"]}
+    head = ("qwen3-30b-a3b", "bf16", "bf16", 1)
+    assert got == {head + (2, "cpumoe"): (2.0, 3.0, 1.5),
+                   head + (2, "eager"): (10.0, 10.0, 1.0),
+                   head + (1, "cpumoe"): (3.0, 3.0, 1.0),  # the thread_scaling entry
+                   ("qwen3-30b-a3b", "int8", "bf16", 1, 2, "cpumoe"): (1.0, 0.5, 0.5)}
+    assert result["geomean"] == pytest.approx((1.5 * 1.0 * 1.0 * 0.5) ** 0.25)
+    assert result["geomean_by_impl"]["eager"] == (pytest.approx(1.0), 1)
+    assert result["geomean_by_impl"]["cpumoe"][1] == 3
+    assert result["only_a"] == [("qwen3-30b-a3b", "int8", "bf16", 64, 2, "cpumoe")]
+    assert result["only_b"] == [("qwen3-30b-a3b", "fp8", "bf16", 1, 2, "cpumoe")]
+
+    pa, pb = _write(tmp_path, "a.json", a), _write(tmp_path, "b.json", b)
+    assert bench.main(["compare", pa, pb]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {pa}: commit {'a' * 12}," in out and f"B: {pb}: commit unknown," in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("qwen3-30b-a3b")
+               and "int8" in ln)
+    assert row.split()[-3:] == ["1.000", "0.500", "0.50x"]
+    assert f"geometric mean of B/A: {(0.75) ** 0.25:.3f}x over 4 timing(s)" in out
+    assert "only in A: 1 timing(s):\n  qwen3-30b-a3b int8 (bf16) M=64 2t cpumoe" in out
+    assert "only in B: 1 timing(s):\n  qwen3-30b-a3b fp8 (bf16) M=1 2t cpumoe" in out
+
+
+def test_compare_a_saved_run_with_itself_through_python_m_cpumoe(capsys):
+    """A recorded run (every baseline, thread scaling, no interleaving) against itself:
+    every timing matched, every ratio 1; dispatched as python -m cpumoe bench compare."""
+    from cpumoe.__main__ import main as cpumoe_main
+
+    path = os.path.join(REPO, "benchmarks", "results", "quick.json")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this checkout")
+    doc = bench.load_document(path)
+    result = bench.compare_documents(doc, doc)
+    expected = sum(1 + len(c["thread_scaling"])
+                   + sum(c.get(f"{k}_ms") is not None for k in bench.BASELINES)
+                   + (c.get("eager_capped_ms") is not None) for c in doc["cases"])
+    assert len(result["rows"]) == expected > len(doc["cases"])
+    assert all(r["ratio"] == 1.0 for r in result["rows"])
+    assert result["only_a"] == result["only_b"] == []
+    assert cpumoe_main(["bench", "compare", path, path]) == 0
+    assert "geometric mean of B/A: 1.000x" in capsys.readouterr().out
+
+
+def test_compare_interleaved_records(tmp_path):
+    a, b = _doc([]), _doc([])
+    for doc, (ms_a, ms_b) in ((a, (4.0, 2.0)), (b, (3.0, 2.0))):
+        doc["interleaved"] = [{"shape": "qwen3-30b-a3b", "M": 1, "pair": "bf16/int8",
+                               "schemes": ["bf16", "int8"],
+                               "ms": {"bf16": ms_a, "int8": ms_b}}]
+    rows = {r["key"]: r["ratio"] for r in bench.compare_documents(a, b)["rows"]}
+    assert rows == {("qwen3-30b-a3b", "bf16", "bf16", 1, 2, "cpumoe in bf16/int8"): 0.75,
+                    ("qwen3-30b-a3b", "int8", "bf16", 1, 2, "cpumoe in bf16/int8"): 1.0}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "not a 'python -m cpumoe bench --json' document (no list of cases)"),
+    (json.dumps({"cases": [{"shape": "s", "scheme": "bf16", "dtype": "bf16", "M": 1,
+                            "threads": 1}]}), "case 0 lacks ms"),
+    (json.dumps({"cases": [], "interleaved": [{"shape": "s"}]}), "malformed document"),
+])
+def test_compare_fails_cleanly_on_bad_files(tmp_path, capsys, content, message):
+    good = _write(tmp_path, "good.json", _doc([_case("bf16", 1, 2.0)]))
+    bad = str(tmp_path / "missing.json") if content is None else _write(tmp_path, "bad.json",
+                                                                        content)
+    for argv in ([good, bad], [bad, good]):
+        assert bench.main(["compare", *argv]) == 1
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"cpumoe bench compare: {bad}: {message}"), captured.err
+        assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_compare_without_common_timings_fails(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", _doc([_case("bf16", 1, 2.0)]))
+    b = _write(tmp_path, "b.json", _doc([_case("int8", 1, 2.0)]))
+    assert bench.main(["compare", a, b]) == 1
+    captured = capsys.readouterr()
+    assert "no timing in common" in captured.err
+    assert "only in A: 1 timing(s)" in captured.out and "only in B: 1 timing(s)" in captured.out
+    with pytest.raises(SystemExit):  # one file is a usage error
+        bench.main(["compare", a])
+    capsys.readouterr()

@@ -69,7 +69,8 @@ def bench_main(argv: Optional[Sequence[str]] = None) -> int:
 COMMANDS = {
     "info": (info_main, "show the CPU, its features, the ISA tiers built and the one in use"),
     "bench": (bench_main, "benchmark fused_experts (every weight scheme) on model shapes vs "
-                          "the measured roofline and PyTorch (python -m cpumoe bench --help)"),
+                          "the measured roofline and PyTorch (python -m cpumoe bench --help); "
+                          "'bench compare A.json B.json' sets two saved runs side by side"),
 }
 
 

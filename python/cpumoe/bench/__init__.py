@@ -39,15 +39,17 @@ cpumoe's calls cycle through copies of the weights, as through the layers of a m
 cpumoe and the baselines see the same routings (the subprocess regenerates them from the
 seed). ``benchmarks/README.md`` describes the method and the output fields; ``--plot
 FILE.png`` draws the roofline picture (:func:`write_plot`, needs matplotlib). The JSON
-document (``--json``) also records what the package was built from (:func:`build_info`).
+document (``--json``) also records what the package was built from (:func:`build_info`),
+and ``python -m cpumoe bench compare A.json B.json`` sets two of them side by side
+(:mod:`cpumoe.bench.compare`).
 
 The modules, by responsibility: :mod:`~cpumoe.bench.cli` (options, entry point, the run),
 :mod:`~cpumoe.bench.shapes` (model shapes, routings), :mod:`~cpumoe.bench.machine`
 (machine information and limits), :mod:`~cpumoe.bench.schemes` (each scheme's tensors),
 :mod:`~cpumoe.bench.baselines` (the PyTorch baselines), :mod:`~cpumoe.bench.capped` (the
 eager baseline under a capped oneDNN ISA), :mod:`~cpumoe.bench.timing` (timing loops,
-interleaving) and :mod:`~cpumoe.bench.report` (table, JSON,
-picture). The names below are re-exported
+interleaving), :mod:`~cpumoe.bench.report` (table, JSON, picture) and
+:mod:`~cpumoe.bench.compare` (two runs side by side). The names below are re-exported
 here, as they were importable from the single module this package replaced.
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
@@ -82,6 +84,7 @@ from .cli import (
     run,
     run_pairs,
 )
+from .compare import compare_documents, load_document
 from .machine import (
     MAX_WEIGHT_LAYERS,
     Limits,
@@ -138,11 +141,11 @@ __all__ = [
     "MAX_WEIGHT_LAYERS", "NOISY", "QUICK", "SCHEMES", "SHAPES", "Baseline", "ExpertWeights",
     "Limits", "OthersLoad", "Routing", "Scheme", "SchemeWeights", "Shape", "add_arguments",
     "baseline_int4pack_moe", "baseline_int8pack_moe", "baseline_moe", "build_info",
-    "build_parser", "case_others_fraction", "cpu_busy_fraction",
+    "build_parser", "case_others_fraction", "compare_documents", "cpu_busy_fraction",
     "cpu_model_name", "default_read_buffer_bytes", "default_weight_layers",
     "format_header_row", "format_row", "fused_experts", "int4_group_size",
     "int4pack_unavailable", "int8pack_unavailable", "last_level_cache_bytes",
-    "machine_info", "main", "make_routings", "measure_fma_peak",
+    "load_document", "machine_info", "main", "make_routings", "measure_fma_peak",
     "measure_int8_peak", "measure_limits", "measure_read_bandwidth", "parse_pairs",
     "parse_schemes", "parse_shapes", "resolve_arguments", "run", "run_capped_baseline",
     "run_case", "run_interleaved", "run_pairs", "scheme_unavailable", "table_columns",

@@ -1,5 +1,6 @@
 """``python -m cpumoe bench``: the options (:func:`build_parser`, the ``--quick`` preset),
-the entry point (:func:`main`, which also starts the capped baseline's worker) and the run itself (:func:`run`), step by step."""
+the entry point (:func:`main`, which also dispatches ``compare`` and the capped baseline's
+worker) and the run itself (:func:`run`), step by step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._progress import Progress
+from . import compare
 from .baselines import BASELINES
 from .capped import _WORKER_FLAG, _baseline_worker, run_capped_baseline
 from .machine import (
@@ -109,6 +111,8 @@ def _parse_threads(text: str) -> List[int]:
 
 # --quick: a representative subset that finishes in under 2 minutes on the 2-vCPU dev VM:
 # one shape, every scheme, decode / mid / prefill M, shorter timing, 1-thread scaling.
+COMPARE_COMMAND = "compare"  # python -m cpumoe bench compare A.json B.json
+
 QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
          "min_time": 0.3}
 
@@ -184,7 +188,10 @@ def build_parser(prog: str = "python -m cpumoe bench") -> argparse.ArgumentParse
         description="Time cpumoe.fused_experts (bf16/fp16, INT8, FP8 or INT4 weights) on MoE "
                     "model shapes against the machine's measured streaming-read bandwidth and "
                     "fp32 FMA / u8*s8 peak (the roofline), and against the PyTorch code a user "
-                    "would run instead.")
+                    "would run instead.",
+        epilog=f"'{prog} {COMPARE_COMMAND} A.json B.json' sets two saved --json runs side by "
+               "side instead: each case's ms in both and B/A, their geometric mean, and the "
+               f"cases found in only one ('{prog} {COMPARE_COMMAND} --help').")
     return add_arguments(p)
 
 
@@ -206,10 +213,13 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m cpumoe bench``; returns 0 on success."""
+    """``python -m cpumoe bench``; returns 0 on success. ``compare A.json B.json`` as the
+    first arguments sets two saved runs side by side instead (:mod:`cpumoe.bench.compare`)."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     if argv[:1] == [_WORKER_FLAG]:  # the subprocess of --baseline-isa
         return _baseline_worker(argv[1:])
+    if argv[:1] == [COMPARE_COMMAND]:
+        return compare.main(argv[1:])
     parser = build_parser()
     args = resolve_arguments(parser.parse_args(argv))
     shapes = _checked_arguments(parser, args)
