@@ -50,16 +50,6 @@ def run_capped_baseline(isa: str, shapes: Sequence[Shape], schemes: Sequence[str
     result: dict = {"isa": isa, "onednn_isa": None, "matmul_impl": {}, "error": None,
                     "seconds": None, "cases": {}}
     t0 = time.perf_counter()
-    # the directory holding the cpumoe package (this file is cpumoe/bench/capped.py), so the
-    # subprocess imports the same cpumoe as this process
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["ONEDNN_MAX_CPU_ISA"] = isa
-    env["DNNL_MAX_CPU_ISA"] = isa  # the name before oneDNN 2.x
-    env.pop("ONEDNN_VERBOSE", None)
-    env.pop("DNNL_VERBOSE", None)
-    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"]
-                                      if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="cpumoe-bench-") as tmp:
         job = {
             "shapes": [[s.name, s.E, s.topk, s.K, s.N] for s in shapes],
@@ -72,27 +62,9 @@ def run_capped_baseline(isa: str, shapes: Sequence[Shape], schemes: Sequence[str
         with open(job_path, "w") as f:
             json.dump(job, f)
         stdout_path = os.path.join(tmp, "stdout.txt")
-        tail: collections.deque = collections.deque(maxlen=15)
         cmd = [sys.executable, "-m", "cpumoe.bench", _WORKER_FLAG, job_path]
         try:
-            with open(stdout_path, "w") as so:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=so,
-                                        stderr=subprocess.PIPE, text=True, env=env)
-                try:
-                    for line in proc.stderr:
-                        if line.startswith(_PROGRESS_TAG):
-                            frac, _, text = line[len(_PROGRESS_TAG):].rstrip("\n").partition(" ")
-                            try:
-                                report(float(frac), text)
-                            except ValueError:
-                                pass
-                        elif line.strip():
-                            tail.append(line.rstrip())
-                    rc = proc.wait()
-                except BaseException:
-                    proc.kill()
-                    proc.wait()
-                    raise
+            rc, tail = _run_worker(cmd, _worker_env(isa), stdout_path, report)
         except OSError as e:
             result["error"] = f"cannot start {' '.join(cmd)}: {e}"
             return result
@@ -101,25 +73,75 @@ def run_capped_baseline(isa: str, shapes: Sequence[Shape], schemes: Sequence[str
                 _parse_onednn_verbose(f, result)
         except OSError:
             pass
-        try:
-            with open(os.path.join(tmp, "result.json")) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            doc = None
-        if rc != 0 or doc is None:
-            why = "\n    ".join(tail) or "(no output)"
-            result["error"] = f"subprocess exited with status {rc}:\n    {why}"
-        for c in (doc or {}).get("cases", []):
-            out = None
-            if c.get("out"):
-                try:
-                    out = torch.load(c["out"], weights_only=True)
-                except Exception:  # a missing output only costs the difference check
-                    out = None
-            c["out"] = out
-            result["cases"][(c["shape"], c["scheme"], c["M"])] = c
+        _collect_cases(tmp, rc, tail, result)
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def _worker_env(isa: str) -> dict:
+    """The worker's environment: oneDNN capped at ``isa``, its verbose mode left to the
+    worker, and this process's cpumoe first on the path."""
+    # the directory holding the cpumoe package (this file is cpumoe/bench/capped.py), so the
+    # subprocess imports the same cpumoe as this process
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["ONEDNN_MAX_CPU_ISA"] = isa
+    env["DNNL_MAX_CPU_ISA"] = isa  # the name before oneDNN 2.x
+    env.pop("ONEDNN_VERBOSE", None)
+    env.pop("DNNL_VERBOSE", None)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"]
+                                      if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run_worker(cmd: List[str], env: dict, stdout_path: str,
+                report: Callable[[float, str], None]):
+    """Runs the worker to its end, its stdout (oneDNN's verbose lines) into
+    ``stdout_path``, its progress lines passed to ``report``; returns its exit status and
+    the last lines of its other stderr output (for the error message). Kills it if this
+    process is interrupted; OSError when it cannot start."""
+    tail: collections.deque = collections.deque(maxlen=15)
+    with open(stdout_path, "w") as so:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=so,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            for line in proc.stderr:
+                if line.startswith(_PROGRESS_TAG):
+                    frac, _, text = line[len(_PROGRESS_TAG):].rstrip("\n").partition(" ")
+                    try:
+                        report(float(frac), text)
+                    except ValueError:
+                        pass
+                elif line.strip():
+                    tail.append(line.rstrip())
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    return rc, tail
+
+
+def _collect_cases(tmp: str, rc: int, tail, result: dict) -> None:
+    """Reads the worker's ``result.json`` and first outputs from ``tmp`` into
+    ``result["cases"]``; sets ``result["error"]`` when the worker failed."""
+    try:
+        with open(os.path.join(tmp, "result.json")) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        doc = None
+    if rc != 0 or doc is None:
+        why = "\n    ".join(tail) or "(no output)"
+        result["error"] = f"subprocess exited with status {rc}:\n    {why}"
+    for c in (doc or {}).get("cases", []):
+        out = None
+        if c.get("out"):
+            try:
+                out = torch.load(c["out"], weights_only=True)
+            except Exception:  # a missing output only costs the difference check
+                out = None
+        c["out"] = out
+        result["cases"][(c["shape"], c["scheme"], c["M"])] = c
 
 
 def _parse_onednn_verbose(lines, result: dict) -> None:
@@ -163,15 +185,7 @@ def _baseline_worker(argv: Sequence[str]) -> int:
         sys.stderr.write(f"{_PROGRESS_TAG}{done / max(total, 1):.4f} {text}\n")
         sys.stderr.flush()
 
-    s0 = shapes[0]
-    try:  # oneDNN's ISA (an fp32 conv always runs in oneDNN), then its first-GEMM choice
-        with torch.no_grad(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-            _ = F.conv2d(torch.randn(1, 32, 32, 32), torch.randn(32, 32, 3, 3))
-            for d in dtypes:
-                _ = torch.randn(64, s0.K).to(DTYPES[d]) @ torch.randn(2 * s0.N, s0.K).to(DTYPES[d]).T
-    except Exception as e:  # only costs the ISA report
-        print(f"oneDNN verbose probe failed: {e}", file=sys.stderr)
-    sys.stdout.flush()
+    _report_onednn_choice(shapes[0], dtypes)
 
     cases: List[dict] = []
 
@@ -206,6 +220,21 @@ def _baseline_worker(argv: Sequence[str]) -> int:
             gc.collect()
     tick(total, "done")
     return 0
+
+
+def _report_onednn_choice(shape: Shape, dtypes: Sequence[str]) -> None:
+    """Prints oneDNN's verbose lines to stdout for an fp32 convolution (which always runs in
+    oneDNN: its ISA) and one first-layer GEMM of ``shape`` per activation dtype (its
+    implementation); the parent reads them (:func:`_parse_onednn_verbose`)."""
+    try:
+        with torch.no_grad(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            _ = F.conv2d(torch.randn(1, 32, 32, 32), torch.randn(32, 32, 3, 3))
+            for d in dtypes:
+                a = torch.randn(64, shape.K).to(DTYPES[d])
+                _ = a @ torch.randn(2 * shape.N, shape.K).to(DTYPES[d]).T
+    except Exception as e:  # only costs the ISA report
+        print(f"oneDNN verbose probe failed: {e}", file=sys.stderr)
+    sys.stdout.flush()
 
 
 def _time_baseline_case(shape: Shape, M: int, weights: ExpertWeights, seed: int, job: dict,

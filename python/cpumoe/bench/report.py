@@ -165,28 +165,7 @@ def write_plot(doc: dict, path: str):
     fig = Figure(figsize=(5.2 * ncol, 4.2 * nrow + 0.9), layout="constrained")
     axes = fig.subplots(nrow, ncol, squeeze=False)
     for ax, scheme in zip(axes.flat, schemes):
-        for shape in shapes:
-            rows = sorted((c for c in cases if c["scheme"] == scheme and c["shape"] == shape),
-                          key=lambda c: c["M"])
-            if not rows:
-                continue
-            ms = [c["M"] for c in rows]
-            ax.plot(ms, [c["gflops"] for c in rows], "o-", color=colour[shape], ms=4)
-            bound = [(c["M"], c["flops"] / c["bound_ms"] / 1e6) for c in rows if c["bound_ms"]]
-            if bound:
-                ax.plot(*zip(*bound), "--", color=colour[shape], lw=1.2)
-            eager = [(c["M"], c["flops"] / c["baseline_ms"] / 1e6) for c in rows
-                     if c.get("baseline_ms")]
-            if eager:
-                ax.plot(*zip(*eager), ":", color=colour[shape], lw=1.2)
-        kind = SCHEMES[scheme].peak_kind if scheme in SCHEMES else "fp32_fma"
-        ax.set_title(f"{scheme} (bound: read bandwidth, "
-                     f"{'u8*s8' if kind == 'u8s8' else 'fp32 FMA'} peak)", fontsize=10)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("M (tokens)")
-        ax.set_ylabel("GOP/s (2·M·topk·3·N·K / time)")
-        ax.grid(True, which="both", alpha=0.3)
+        _draw_panel(ax, scheme, [c for c in cases if c["scheme"] == scheme], shapes, colour)
     for ax in list(axes.flat)[len(schemes):]:
         ax.set_visible(False)
     handles = [Line2D([], [], color=colour[s], marker="o", ms=4, label=s) for s in shapes]
@@ -201,6 +180,37 @@ def write_plot(doc: dict, path: str):
     fig.suptitle(f"cpumoe {m['cpumoe_version']} fused_experts, tier {m['tier']}, "
                  f"{m['threads']} threads, {m['cpu_model']}\nlimits measured in the run: "
                  f"{limits}", fontsize=10)
+    _save_figure(fig, path)
+    return fig
+
+
+def _draw_panel(ax, scheme: str, cases: List[dict], shapes: List[str],
+                colour: Dict[str, str]) -> None:
+    """One scheme's panel: per shape its cpumoe, bound and eager lines over M."""
+    for shape in shapes:
+        rows = sorted((c for c in cases if c["shape"] == shape), key=lambda c: c["M"])
+        if not rows:
+            continue
+        ms = [c["M"] for c in rows]
+        ax.plot(ms, [c["gflops"] for c in rows], "o-", color=colour[shape], ms=4)
+        bound = [(c["M"], c["flops"] / c["bound_ms"] / 1e6) for c in rows if c["bound_ms"]]
+        if bound:
+            ax.plot(*zip(*bound), "--", color=colour[shape], lw=1.2)
+        eager = [(c["M"], c["flops"] / c["baseline_ms"] / 1e6) for c in rows
+                 if c.get("baseline_ms")]
+        if eager:
+            ax.plot(*zip(*eager), ":", color=colour[shape], lw=1.2)
+    kind = SCHEMES[scheme].peak_kind if scheme in SCHEMES else "fp32_fma"
+    ax.set_title(f"{scheme} (bound: read bandwidth, "
+                 f"{'u8*s8' if kind == 'u8s8' else 'fp32 FMA'} peak)", fontsize=10)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("GOP/s (2·M·topk·3·N·K / time)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _save_figure(fig, path: str) -> None:
     if path.lower().endswith(".png"):
         # a 64-colour palette keeps the picture ~4x smaller than matplotlib's RGBA PNG with
         # no visible change (Pillow comes with matplotlib)
@@ -212,8 +222,6 @@ def write_plot(doc: dict, path: str):
         Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
     else:
         fig.savefig(path, dpi=100)
-    return fig
-
 
 
 def _limits_line(label: str, samples: List[float], unit: str, detail: str, fmt: str) -> str:
