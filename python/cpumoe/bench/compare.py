@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -120,8 +121,9 @@ def describe(label: str, path: str, doc: dict) -> str:
     commit = build.get("git_commit", UNKNOWN)
     dirty = build.get("dirty", UNKNOWN)
     state = {True: ", dirty tree", False: ""}.get(dirty, ", tree state unknown")
+    threads = machine.get("threads", "?")
     return (f"{label}: {path}: commit {commit[:12] if commit != UNKNOWN else commit}{state}, "
-            f"tier {machine.get('tier', '?')}, {machine.get('threads', '?')} threads, "
+            f"tier {machine.get('tier', '?')}, {threads} thread{'' if threads == 1 else 's'}, "
             f"{machine.get('cpu_model', 'CPU unknown')}, {doc.get('timestamp', 'time unknown')}")
 
 
@@ -177,12 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"cpumoe bench compare: {e}", file=sys.stderr)
         return 1
     result = compare_documents(a, b)
-    print(describe("A", args.a, a))
-    print(describe("B", args.b, b))
-    print("B/A = B's ms / A's ms (median per call); below 1: B is faster")
-    print()
-    for line in format_comparison(result):
-        print(line)
+    lines = [describe("A", args.a, a), describe("B", args.b, b),
+             "B/A = B's ms / A's ms (median per call); below 1: B is faster", ""]
+    try:
+        for line in lines + format_comparison(result):
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader (e.g. head) stopped early: not a failure here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
     if not result["rows"]:
         print("cpumoe bench compare: the two files have no timing in common", file=sys.stderr)
         return 1
