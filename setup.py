@@ -7,12 +7,14 @@ compile .c as C++, so the objects are built before it and linked in.
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = Path(__file__).resolve().parent
@@ -52,11 +54,41 @@ class BuildWithKernels(BuildExtension):
         super().build_extensions()
 
 
+def _command_output(cmd):
+    """stdout of ``cmd`` run in the checkout, or None when it cannot run or fails."""
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+class BuildPyWithBuildInfo(build_py):
+    """Also writes cpumoe/_build_info.py into the build output, never into the source tree:
+    the benchmark runs from the installed package, where the checkout is out of reach, and
+    records the commit, whether the tree was dirty and the C compiler the kernels got.
+    Untracked files count as dirty because every csrc/kernels/**/*.c is compiled."""
+
+    def run(self):
+        super().run()
+        commit = (_command_output(["git", "rev-parse", "HEAD"]) or "").strip() or "unknown"
+        status = _command_output(["git", "status", "--porcelain"])
+        cc = os.environ.get("CC", "cc")
+        version = (_command_output([*shlex.split(cc), "--version"]) or "").strip()
+        info = {"GIT_COMMIT": commit,
+                "DIRTY": "unknown" if status is None else bool(status.strip()),
+                "COMPILER": version.splitlines()[0] if version else "unknown", "CC": cc}
+        target = Path(self.build_lib) / "cpumoe" / "_build_info.py"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text('"""Written by setup.py when the package was built."""\n\n'
+                          + "".join(f"{k} = {v!r}\n" for k, v in info.items()))
+
+
 setup(
     name="cpumoe",
     version="0.1.0",
     package_dir={"": "python"},
-    packages=["cpumoe"],
+    packages=["cpumoe", "cpumoe.bench"],
     ext_modules=[
         CppExtension(
             name="cpumoe._C",
@@ -69,6 +101,7 @@ setup(
             extra_link_args=["-fopenmp"],
         )
     ],
-    cmdclass={"build_ext": BuildWithKernels},
+    cmdclass={"build_ext": BuildWithKernels,
+              "build_py": BuildPyWithBuildInfo},
     python_requires=">=3.9",
 )

@@ -9,14 +9,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 import cpumoe
 from cpumoe import bench
+from cpumoe.bench import machine as bench_machine
+from cpumoe.bench import timing as bench_timing
 from cpumoe_testing import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +41,9 @@ def keep_threads():
 @pytest.fixture
 def fast_limits(monkeypatch):
     """Shorter FMA / u8*s8 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
-    fma, i8 = bench._fma_peak_samples, bench._int8_peak_samples
-    monkeypatch.setattr(bench, "_fma_peak_samples", lambda: fma(0.05, 2))
-    monkeypatch.setattr(bench, "_int8_peak_samples", lambda: i8(0.05, 2))
+    fma, i8 = bench_machine._fma_peak_samples, bench_machine._int8_peak_samples
+    monkeypatch.setattr(bench_machine, "_fma_peak_samples", lambda: fma(0.05, 2))
+    monkeypatch.setattr(bench_machine, "_int8_peak_samples", lambda: i8(0.05, 2))
 
 
 def _perf_tables():
@@ -166,7 +170,7 @@ def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
     (s,) = c["thread_scaling"]
     assert s["threads"] == 1 and s["iters"] == 2 and s["ms"] > 0
     assert s["scaling"] == pytest.approx(s["ms"] / c["ms"])
-    assert s["identical_output"] is True  # DESIGN.md: results do not depend on the thread count
+    assert s["identical_output"] is True  # docs/ARCHITECTURE.md: same bits for any thread count
     t_bw = c["weight_bytes"] / lim1["read_gbps"] / 1e6
     t_ops = c["flops"] / lim1["fma_peak_gflops"] / 1e6
     assert s["bound_ms"] == pytest.approx(max(t_bw, t_ops))  # against the 1-thread limits
@@ -325,17 +329,17 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
 def test_weight_layers_default(monkeypatch):
     """Enough copies for max(1 GiB, 8 x LLC), at most MAX_WEIGHT_LAYERS and a quarter of the
     available memory, at least one."""
-    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 300 << 20)
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(bench_machine, "last_level_cache_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: 24 << 30)
     assert bench.default_weight_layers(344_000_000) == 8  # ceil(2400 MiB / 344 MB)
     assert bench.default_weight_layers(1208 << 20) == 2
     assert bench.default_weight_layers(4 << 30) == 1
     assert bench.default_weight_layers(1 << 20) == bench.MAX_WEIGHT_LAYERS
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: 2 << 30)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: 2 << 30)
     assert bench.default_weight_layers(200 << 20) == 2  # a quarter of 2 GiB
     assert bench.default_weight_layers(1 << 30) == 1
-    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)
-    monkeypatch.setattr(bench, "_mem_available_bytes", lambda: None)
+    monkeypatch.setattr(bench_machine, "last_level_cache_bytes", lambda: None)
+    monkeypatch.setattr(bench_machine, "_mem_available_bytes", lambda: None)
     assert bench.default_weight_layers(256 << 20) == 4  # 1 GiB
 
 
@@ -386,7 +390,7 @@ def test_interleaved_calls_alternate(monkeypatch):
     a = bench.ExpertWeights(shape, "bf16", scheme="bf16")
     b = bench.ExpertWeights(shape, "bf16", scheme="int8")
     seen = []
-    real = bench.fused_experts
+    real = bench_timing.fused_experts
 
     def spy(x, w1, w2, topk_weights, topk_ids, **kw):
         method = kw.get("moe_comp_method", 0)
@@ -395,7 +399,7 @@ def test_interleaved_calls_alternate(monkeypatch):
             time.sleep(0.004)  # bf16 made slower: its median must show it
         return real(x, w1, w2, topk_weights, topk_ids, **kw)
 
-    monkeypatch.setattr(bench, "fused_experts", spy)
+    monkeypatch.setattr(bench_timing, "fused_experts", spy)
     rec = bench.run_interleaved(shape, 2, [a, b], iters=6, weight_layers=2)
     timed = seen[-12:]  # after the warm-up calls
     assert [m for m, _, _ in timed] == [0, 1, 1, 0] * 3
@@ -433,3 +437,214 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     assert "| shape | pair | M=1 | M=3 |" in md
     assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
             f"{recs[1]['ratio']:.2f} |") in md
+
+
+# ---- what the package was built from, and the CPU, in every JSON document -------------------
+
+FAKE_BUILD = {"GIT_COMMIT": "0123456789abcdef0123456789abcdef01234567", "DIRTY": True,
+              "COMPILER": "cc (Test) 1.2.3", "CC": "cc"}
+
+
+def _fake_build_info(monkeypatch, values):
+    """Makes ``from cpumoe import _build_info`` see a module holding ``values`` (None: no
+    such module, as in a source tree)."""
+    module = None
+    if values is not None:
+        module = types.ModuleType("cpumoe._build_info")
+        for k, v in values.items():
+            setattr(module, k, v)
+    monkeypatch.delattr(cpumoe, "_build_info", raising=False)
+    monkeypatch.setitem(sys.modules, "cpumoe._build_info", module)
+
+
+def _cpuinfo_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f
+                         if ln.lower().startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def test_bench_json_records_build_and_cpu(tmp_path, fast_limits, monkeypatch, capsys):
+    _fake_build_info(monkeypatch, FAKE_BUILD)
+    path = tmp_path / "build.json"
+    assert bench.main(["--shape", SHAPE, "--scheme", "bf16", "--m", "1", "--iters", "1",
+                       "--bw-mib", "64", "--threads", "1", "--no-baseline",
+                       "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["build"] == {"git_commit": FAKE_BUILD["GIT_COMMIT"], "dirty": True,
+                            "compiler": "cc (Test) 1.2.3", "cc": "cc"}
+    m = doc["machine"]
+    model = _cpuinfo_model()
+    if model is not None:
+        assert m["cpu_model"] == model
+    assert m["cpu_model"] and m["cpu_features"] == cpumoe.cpu_features()
+    capsys.readouterr()
+
+
+def test_build_info_unknown_without_the_generated_module(monkeypatch):
+    _fake_build_info(monkeypatch, None)
+    assert bench.build_info() == {"git_commit": "unknown", "dirty": "unknown",
+                                  "compiler": "unknown", "cc": "unknown"}
+    _fake_build_info(monkeypatch, {**FAKE_BUILD, "DIRTY": False})
+    assert bench.build_info()["dirty"] is False
+
+
+def test_info_json_has_build(monkeypatch, capsys):
+    from cpumoe.__main__ import info_main
+
+    _fake_build_info(monkeypatch, FAKE_BUILD)
+    assert info_main(["--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["build"]["git_commit"] == FAKE_BUILD["GIT_COMMIT"]
+    assert info_main([]) == 0
+    out = capsys.readouterr().out
+    assert f"commit {FAKE_BUILD['GIT_COMMIT']} (tree had changes)" in out
+    assert "cc (Test) 1.2.3" in out
+
+
+def _git(*args):
+    res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return res.stdout if res.returncode == 0 else None
+
+
+def test_setup_build_py_writes_build_info(tmp_path):
+    """setup.py's build_py writes cpumoe/_build_info.py into the build output (not into the
+    source tree) with this checkout's commit, its state and the compiler."""
+    head = shutil.which("git") and _git("rev-parse", "HEAD")
+    if not head:
+        pytest.skip("not a git checkout (or no git)")
+    status_before = _git("status", "--porcelain")
+    out = tmp_path / "lib"
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    recorded = {}
+    exec((out / "cpumoe" / "_build_info.py").read_text(), recorded)
+    assert recorded["GIT_COMMIT"] == head.strip()
+    assert recorded["DIRTY"] is bool(status_before.strip())
+    cc = os.environ.get("CC", "cc")
+    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True)
+    assert recorded["COMPILER"] == (version.stdout.splitlines()[0].strip()
+                                    if version.returncode == 0 else "unknown")
+    assert recorded["CC"] == cc
+    assert not os.path.exists(os.path.join(PYTHON_DIR, "cpumoe", "_build_info.py"))
+    assert (out / "cpumoe" / "bench" / "__init__.py").exists()  # the subpackage is built too
+
+
+# ---- python -m cpumoe bench compare A.json B.json ----------------------------------------------
+
+
+def _case(scheme, M, ms, threads=2, baseline_ms=None, scaling=()):
+    return {"shape": "qwen3-30b-a3b", "scheme": scheme, "dtype": "bf16", "M": M,
+            "threads": threads, "ms": ms, "baseline_ms": baseline_ms, "int8pack_ms": None,
+            "int4pack_ms": None, "eager_capped_ms": None,
+            "thread_scaling": [{"threads": t, "ms": v} for t, v in scaling]}
+
+
+def _doc(cases, commit="unknown"):
+    return {"machine": {"tier": "avx512", "threads": 2, "cpu_model": "Test CPU"},
+            "build": {"git_commit": commit, "dirty": False, "compiler": "cc", "cc": "cc"},
+            "settings": {"threads": [2], "dtype": "bf16"}, "cases": cases,
+            "interleaved": [], "timestamp": "2026-11-25T00:00:00+0000"}
+
+
+def _write(tmp_path, name, doc):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+def test_compare_matches_cases_and_computes_ratios(tmp_path, capsys):
+    a = _doc([_case("bf16", 1, 2.0, baseline_ms=10.0, scaling=[(1, 3.0)]),
+              _case("int8", 1, 1.0), _case("int8", 64, 5.0)], commit="a" * 40)
+    b = _doc([_case("int8", 1, 0.5), _case("bf16", 1, 3.0, baseline_ms=10.0,
+                                           scaling=[(1, 3.0)]),
+              _case("fp8", 1, 1.5)])
+    result = bench.compare_documents(a, b)
+    got = {r["key"]: (r["a_ms"], r["b_ms"], r["ratio"]) for r in result["rows"]}
+    head = ("qwen3-30b-a3b", "bf16", "bf16", 1)
+    assert got == {head + (2, "cpumoe"): (2.0, 3.0, 1.5),
+                   head + (2, "eager"): (10.0, 10.0, 1.0),
+                   head + (1, "cpumoe"): (3.0, 3.0, 1.0),  # the thread_scaling entry
+                   ("qwen3-30b-a3b", "int8", "bf16", 1, 2, "cpumoe"): (1.0, 0.5, 0.5)}
+    assert result["geomean"] == pytest.approx((1.5 * 1.0 * 1.0 * 0.5) ** 0.25)
+    assert result["geomean_by_impl"]["eager"] == (pytest.approx(1.0), 1)
+    assert result["geomean_by_impl"]["cpumoe"][1] == 3
+    assert result["only_a"] == [("qwen3-30b-a3b", "int8", "bf16", 64, 2, "cpumoe")]
+    assert result["only_b"] == [("qwen3-30b-a3b", "fp8", "bf16", 1, 2, "cpumoe")]
+
+    pa, pb = _write(tmp_path, "a.json", a), _write(tmp_path, "b.json", b)
+    assert bench.main(["compare", pa, pb]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {pa}: commit {'a' * 12}," in out and f"B: {pb}: commit unknown," in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("qwen3-30b-a3b")
+               and "int8" in ln)
+    assert row.split()[-3:] == ["1.000", "0.500", "0.50x"]
+    assert f"geometric mean of B/A: {(0.75) ** 0.25:.3f}x over 4 timing(s)" in out
+    assert "only in A: 1 timing(s):\n  qwen3-30b-a3b int8 (bf16) M=64 2t cpumoe" in out
+    assert "only in B: 1 timing(s):\n  qwen3-30b-a3b fp8 (bf16) M=1 2t cpumoe" in out
+
+
+def test_compare_a_saved_run_with_itself_through_python_m_cpumoe(capsys):
+    """A recorded run (every baseline, thread scaling, no interleaving) against itself:
+    every timing matched, every ratio 1; dispatched as python -m cpumoe bench compare."""
+    from cpumoe.__main__ import main as cpumoe_main
+
+    path = os.path.join(REPO, "benchmarks", "results", "quick.json")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this checkout")
+    doc = bench.load_document(path)
+    result = bench.compare_documents(doc, doc)
+    expected = sum(1 + len(c["thread_scaling"])
+                   + sum(c.get(f"{k}_ms") is not None for k in bench.BASELINES)
+                   + (c.get("eager_capped_ms") is not None) for c in doc["cases"])
+    assert len(result["rows"]) == expected > len(doc["cases"])
+    assert all(r["ratio"] == 1.0 for r in result["rows"])
+    assert result["only_a"] == result["only_b"] == []
+    assert cpumoe_main(["bench", "compare", path, path]) == 0
+    assert "geometric mean of B/A: 1.000x" in capsys.readouterr().out
+
+
+def test_compare_interleaved_records(tmp_path):
+    a, b = _doc([]), _doc([])
+    for doc, (ms_a, ms_b) in ((a, (4.0, 2.0)), (b, (3.0, 2.0))):
+        doc["interleaved"] = [{"shape": "qwen3-30b-a3b", "M": 1, "pair": "bf16/int8",
+                               "schemes": ["bf16", "int8"],
+                               "ms": {"bf16": ms_a, "int8": ms_b}}]
+    rows = {r["key"]: r["ratio"] for r in bench.compare_documents(a, b)["rows"]}
+    assert rows == {("qwen3-30b-a3b", "bf16", "bf16", 1, 2, "cpumoe in bf16/int8"): 0.75,
+                    ("qwen3-30b-a3b", "int8", "bf16", 1, 2, "cpumoe in bf16/int8"): 1.0}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "not a 'python -m cpumoe bench --json' document (no list of cases)"),
+    (json.dumps({"cases": [{"shape": "s", "scheme": "bf16", "dtype": "bf16", "M": 1,
+                            "threads": 1}]}), "case 0 lacks ms"),
+    (json.dumps({"cases": [], "interleaved": [{"shape": "s"}]}), "malformed document"),
+])
+def test_compare_fails_cleanly_on_bad_files(tmp_path, capsys, content, message):
+    good = _write(tmp_path, "good.json", _doc([_case("bf16", 1, 2.0)]))
+    bad = str(tmp_path / "missing.json") if content is None else _write(tmp_path, "bad.json",
+                                                                        content)
+    for argv in ([good, bad], [bad, good]):
+        assert bench.main(["compare", *argv]) == 1
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"cpumoe bench compare: {bad}: {message}"), captured.err
+        assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_compare_without_common_timings_fails(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", _doc([_case("bf16", 1, 2.0)]))
+    b = _write(tmp_path, "b.json", _doc([_case("int8", 1, 2.0)]))
+    assert bench.main(["compare", a, b]) == 1
+    captured = capsys.readouterr()
+    assert "no timing in common" in captured.err
+    assert "only in A: 1 timing(s)" in captured.out and "only in B: 1 timing(s)" in captured.out
+    with pytest.raises(SystemExit):  # one file is a usage error
+        bench.main(["compare", a])
+    capsys.readouterr()

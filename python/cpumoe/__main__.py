@@ -20,10 +20,11 @@ def info_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print the same facts as JSON")
     args = p.parse_args(argv)
     try:
-        from .bench import machine_info
+        from .bench import build_info, machine_info
     except ImportError as e:
         return _import_error(e)
     info = machine_info()
+    info["build"] = build_info()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -39,6 +40,8 @@ def info_main(argv: Optional[Sequence[str]] = None) -> int:
         ("why", info["isa_reason"]),
         ("CPUMOE_ISA", info["cpumoe_isa_env"] if info["cpumoe_isa_env"] is not None else "(not set)"),
         ("cpumoe", info["cpumoe_version"]),
+        ("built from", _built_from(info["build"])),
+        ("C compiler", info["build"]["compiler"]),
         ("torch", info["torch_version"]),
         ("torch threads", str(info["threads"])),
         ("python", info["python_version"]),
@@ -47,6 +50,12 @@ def info_main(argv: Optional[Sequence[str]] = None) -> int:
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
     return 0
+
+
+def _built_from(build: dict) -> str:
+    """The commit the package was built from and whether the tree had changes."""
+    state = {True: " (tree had changes)", False: ""}.get(build["dirty"], " (tree state unknown)")
+    return f"commit {build['git_commit']}{state}"
 
 
 def bench_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -60,7 +69,8 @@ def bench_main(argv: Optional[Sequence[str]] = None) -> int:
 COMMANDS = {
     "info": (info_main, "show the CPU, its features, the ISA tiers built and the one in use"),
     "bench": (bench_main, "benchmark fused_experts (every weight scheme) on model shapes vs "
-                          "the measured roofline and PyTorch (python -m cpumoe bench --help)"),
+                          "the measured roofline and PyTorch (python -m cpumoe bench --help); "
+                          "'bench compare A.json B.json' sets two saved runs side by side"),
 }
 
 
