@@ -1,12 +1,17 @@
-"""Helpers shared by the cpumoe tests (imported as ``from cpumoe_testing import ...``;
-the fixtures live in conftest.py).
+"""Test plumbing shared by the cpumoe tests (``from cpumoe_testing import ...``; the
+fixtures live in conftest.py, the bit-exact models of the kernels in exact_reference.py).
 
-* ``use_isa`` / ``isa_params``: run on a given ISA tier; tiers above
-  ``cpumoe.best_isa()`` are skipped with a reason.
-* ``make_routing`` / ``make_weights`` / ``make_hidden``: inputs like SGLang's tests
-  (softmax scores + topk), scaled so that every intermediate and the output are O(1).
-* ``TOL`` / ``assert_moe_close``: tolerance per activation dtype against the fp32-math
-  reference (reasoning below).
+* tiers: ``BUILT_ISAS`` / ``SUPPORTED_ISAS``, ``use_isa`` / ``isa_params`` /
+  ``skip_unless_supported`` (tiers the CPU cannot run are skipped with a reason);
+* inputs: ``make_routing`` / ``make_weights`` / ``make_hidden`` / ``make_bias`` like
+  SGLang's tests (softmax scores + topk), scaled so that every intermediate and the output
+  are O(1); per scheme ``make_int8_weights`` / ``make_fp8_weights`` / ``Int4Weights`` /
+  ``make_quantized_hidden`` / ``make_scheme_weights``;
+* calls: ``run_fused`` / ``run_fused_int8`` / ``run_fused_fp8`` / ``run_fused_int4``,
+  ``call_fused`` / ``DROP`` / ``raises`` for the error tests, ``subprocess_env``;
+* tolerances against reference.py, each with its reasoning: ``TOL`` /
+  ``assert_moe_close`` (16-bit weights), ``TOL_INT8`` / ``TOL_FP8`` / ``TOL_INT4`` with
+  ``assert_row_close`` and its per-scheme forms.
 """
 
 from __future__ import annotations
@@ -197,9 +202,11 @@ def make_int8_weights(E: int, N: int, K: int, style: str = "quant"):
     return w1, s1, w2, s2
 
 
-def make_int8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
-    """Activations for :func:`make_int8_weights`: ``randn`` for ``"quant"`` (gate/up values
-    ~ N(0, 1)), SGLang's ``randn / sqrt(K)`` for ``"sglang"``."""
+def make_quantized_hidden(M: int, K: int, dtype: torch.dtype,
+                          style: str = "quant") -> torch.Tensor:
+    """Activations for :func:`make_int8_weights` and :func:`make_fp8_weights` of the same
+    `style`: ``randn`` for ``"quant"`` (gate/up values ~ N(0, 1)), SGLang's
+    ``randn / sqrt(K)`` for ``"sglang"``."""
     x = torch.randn(M, K)
     return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
 
@@ -224,8 +231,8 @@ def make_int8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -
 # atol = rtol = 1e-2 (SGLang's int8 tolerance) covers one output ulp plus one bucket flip;
 # a real error (wrong expert, scale, compensation, gate/up swap, dropped bias) is O(10%).
 # Nearly all elements are bit-identical (a handful per problem; see INT8_MAX_MISMATCH),
-# and int8_exact_reference below removes both differences: tests that need more than
-# this tolerance compare bit for bit against it.
+# and exact_reference.int8_exact_reference removes both differences: tests that need
+# more than this tolerance compare bit for bit against it.
 # Measured (the PAIRWISE cases of test_int8.py plus SGLang's shapes, silu and bias+swiglu,
 # 8 seeds, 336 problems): worst |out - ref| / bound = 0.18 (bf16) and 0.054 (fp16), at
 # most 0.16% of the elements differ at all, and every problem equals int8_exact_reference
@@ -280,14 +287,6 @@ def assert_row_close(out: torch.Tensor, ref: torch.Tensor, tol_table: dict, msg:
             f"tolerance, but too many for rounding accidents) {msg}")
 
 
-def int8_bound(ref: torch.Tensor) -> torch.Tensor:
-    return row_bound(ref, TOL_INT8)
-
-
-def int8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return row_scaled_error(out, ref, TOL_INT8)
-
-
 def assert_int8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                       max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_INT8, msg, max_mismatch)
@@ -300,106 +299,6 @@ def run_fused_int8(x, w1, s1, w2, s2, tw, ti, *, is_vnni: bool, **kw) -> torch.T
         w1, w2 = pack(w1), pack(w2)
     return cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=INT8, w1_scale=s1,
                                 w2_scale=s2, is_vnni=is_vnni, **kw)
-
-
-# The kernels' activation functions, emulated in torch with the same fp32 operation
-# sequence (csrc/kernels/common/numeric.h: "the operation sequence is the contract").
-# fmaf is emulated as float64 a*b (exact) + c, rounded to fp64 then fp32; that double
-# rounding differs from fmaf only if the fp64 sum lands exactly on an fp32 midpoint.
-# Checked: kernel_silu equals numeric.h's cm_siluf compiled with gcc bit for bit on 1.1M
-# inputs (torch's F.silu differs on 0.4% of them).
-
-def _f32(v: float) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.float32)
-
-
-def _fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return (a.double() * b.double() + c.double()).float()
-
-
-_EXP_MAGIC = 12582912.0  # 1.5 * 2^23
-_EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-             5.0000001201e-1)
-
-
-def kernel_expf(x: torch.Tensor) -> torch.Tensor:
-    """cm_expf: clamp to [-87, 88], Cody-Waite reduction by ln2, degree-6 polynomial."""
-    x = x.float().clamp(-87.0, 88.0)
-    t = x * _f32(1.44269504088896341) + _f32(_EXP_MAGIC)
-    n = t - _f32(_EXP_MAGIC)
-    r = _fmaf(n, _f32(-0.693359375), x)
-    r = _fmaf(n, _f32(2.12194440e-4), r)
-    p = torch.full_like(x, 1.9875691500e-4)
-    for c in _EXP_POLY:
-        p = _fmaf(p, r, _f32(c))
-    p = _fmaf(p, r * r, r) + _f32(1.0)
-    return p * torch.pow(_f32(2.0), n)
-
-
-def kernel_silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    """cm_silu_mul on [gate; up] halves: (gate / (1 + exp(-gate))) * up."""
-    n = h.shape[-1] // 2
-    g, u = h[..., :n].float(), h[..., n:].float()
-    return (g / (_f32(1.0) + kernel_expf(-g))) * u
-
-
-def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """cm_swiglu_clampf on interleaved (gate, up) columns."""
-    lim = _f32(limit)
-    g = torch.minimum(h[..., 0::2].float(), lim)
-    u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
-    s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
-    return (g * s) * (u + _f32(1.0))
-
-
-@contextlib.contextmanager
-def kernel_activations():
-    """Within the block, reference.py computes its activations with the kernels' exp."""
-    from cpumoe import reference
-
-    saved = reference.silu_and_mul, reference.swiglu_clamp
-    reference.silu_and_mul, reference.swiglu_clamp = kernel_silu_and_mul, kernel_swiglu_clamp
-    try:
-        yield
-    finally:
-        reference.silu_and_mul, reference.swiglu_clamp = saved
-
-
-def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:
-    """A quantized scheme's reference with the two remaining differences to the kernels
-    removed: the kernels' exp (kernel_activations) and the sum over the topk slots in slot
-    order (the kernels' order; reference.py sums per expert). expert_fn(rows, e) returns
-    one expert's fp32 output for the token rows x[rows] (before the topk weight)."""
-    M, K = x.shape
-    ids = ti.long()
-    g = tw.float()
-    ys = torch.zeros(M, ids.shape[1], K)
-    with kernel_activations():
-        for e in ids.unique().tolist():
-            if e < 0:
-                continue
-            rows, slots = (ids == e).nonzero(as_tuple=True)
-            ys[rows, slots] = expert_fn(rows, e) * g[rows, slots, None]
-    acc = torch.zeros(M, K)
-    for j in range(ids.shape[1]):
-        acc = acc + ys[:, j]
-    return acc.to(x.dtype)
-
-
-def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
-                         alpha=None, limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=1) in the kernels' exact order
-    (slot_order_reference). The INT8 kernels must equal this bit for bit (integer GEMMs,
-    every fp32 step in order)."""
-    from cpumoe import reference
-
-    def expert(rows, e):
-        return reference.expert_mlp_int8(
-            x[rows], w1[e], s1[e], w2[e], s2[e],
-            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
-            alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,16 +315,6 @@ def ceil_div(a: int, b: int) -> int:
 def fp8_scale_shape(oc: int, ic: int, block) -> tuple:
     """Block scale shape of an [oc, ic] weight for block_size = [block_n, block_k]."""
     return ceil_div(oc, block[0]), ceil_div(ic, block[1])
-
-
-def e4m3_value(code: int) -> float:
-    """The e4m3fn value of a byte, from the format's definition (independent of torch):
-    s.eeee.mmm, bias 7; e = 0: subnormal (m/8) * 2^-6; 0x7f/0xff: NaN; no infinities."""
-    s, e, m = code >> 7, (code >> 3) & 0xF, code & 7
-    if e == 0xF and m == 7:
-        return float("nan")
-    v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-    return -v if s else v
 
 
 def fp8_from_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -458,13 +347,6 @@ def make_fp8_weights(E: int, N: int, K: int, block, style: str = "quant"):
     return w1, s1, w2, s2
 
 
-def make_fp8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
-    """``randn`` for ``"quant"`` (gate/up values ~ N(0, 1)), SGLang's ``randn / sqrt(K)``
-    for ``"sglang"``."""
-    x = torch.randn(M, K)
-    return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
-
-
 def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> torch.Tensor:
     """fused_experts with moe_comp_method=2 from unpacked fp8 weights: packs them first
     when is_vnni, else lets the op pack them per call."""
@@ -478,8 +360,8 @@ def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> t
 # The reference decodes each e4m3 byte exactly and multiplies by its block scale with one
 # fp32 rounding (reference.dequantize_fp8_blocks), then runs an fp32 GEMM; the kernels sum
 # each K block's exact products x * e4m3 in one fp32 chain and fold that sum in with one
-# fma by the block scale (fp8_block_linear below). Both compute in fp32 from the same
-# 16-bit activations. What differs is what differs on the bf16 path (TOL above):
+# fma by the block scale (exact_reference.fp8_block_linear). Both compute in fp32 from
+# the same 16-bit activations. What differs is what differs on the bf16 path (TOL above):
 #   * summation and rounding order: per-weight scale rounding and torch's blocked sums on
 #     one side, per-block chains and one scale rounding per block on the other; relative
 #     ~ sqrt(K) * 2^-24;
@@ -492,8 +374,8 @@ def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> t
 # fixed atol of 1e-2 would accept 20% errors): |out - ref| <= rtol |ref| + atol rms(row).
 # A real error (wrong block scale, a 0 decoded as 2^-7 * scale, a subnormal misdecoded,
 # a shifted block, a swapped gate/up, a dropped bias) moves outputs by O(1%-100%).
-# fp8_exact_reference below removes every difference: tests that need more compare bit
-# for bit against it.
+# exact_reference.fp8_exact_reference removes every difference: tests that need more
+# compare bit for bit against it.
 # One output ulp is at most 2^-7 / 1e-2 = 0.78 (bf16) and 2^-10 / 2e-3 = 0.49 (fp16) of the
 # bound. Measured with the per-block order (test_fp8.py's PAIRWISE + EXTRA, 4 seeds, 196
 # problems; avx512 tier, which is bit-identical to the others): worst |out - ref| / bound
@@ -511,91 +393,9 @@ TOL_FP8 = {
 FP8_MAX_MISMATCH = None
 
 
-def fp8_bound(ref: torch.Tensor) -> torch.Tensor:
-    return row_bound(ref, TOL_FP8)
-
-
-def fp8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return row_scaled_error(out, ref, TOL_FP8)
-
-
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                      max_mismatch: Optional[float] = FP8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_FP8, msg, max_mismatch)
-
-
-def exact_fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """C's fmaf on fp32 tensors, exactly (reference.fmaf)."""
-    from cpumoe import reference
-
-    return reference.fmaf(a, b, c)
-
-
-def fma_chain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [T, R] @ w[O, R].T as the kernels compute it: for each output element one fp32
-    FMA chain acc = fmaf(a[t, r], w[o, r], acc) over r = 0, 1, ..., starting from 0."""
-    a, w = a.float(), w.float()
-    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
-    for r in range(a.shape[1]):
-        acc = exact_fmaf(a[:, r:r + 1], w[None, :, r], acc)
-    return acc
-
-
-def fp8_block_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """a [T, IC] @ the FP8 weight w [OC, IC] (float8_e4m3fn) with block scales, as the kernels
-    compute it (common/ukernels.h): per K block, P = one FMA chain over the block's k of
-    a * (value * 2^-8) from 0, then C = fmaf(P, scale, C), blocks in order; finally C * 256."""
-    bn, bk = block
-    oc, ic = w.shape
-    d = w.float() * 2.0 ** -8  # exact
-    s = scale.float().repeat_interleave(bn, 0)[:oc]  # [OC, K blocks]
-    c = torch.zeros(a.shape[0], oc, dtype=torch.float32)
-    for kb, k0 in enumerate(range(0, ic, bk)):
-        p = fma_chain_matmul(a[:, k0:k0 + bk], d[:, k0:k0 + bk])
-        c = exact_fmaf(p, s[None, :, kb], c)
-    return c * 256.0
-
-
-def fp8_expert_exact(x, w1, s1, w2, s2, block, b1=None, b2=None, alpha=None,
-                     limit=None) -> torch.Tensor:
-    """One FP8 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
-    the topk weight): block-scaled FMA chains (fp8_block_linear), + bias, the kernels'
-    activation, rounding to x's dtype, block-scaled FMA chains, + bias."""
-    h = fp8_block_linear(x, w1, s1, block)
-    if b1 is not None:
-        h = h + b1.float()
-    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
-    a = a.to(x.dtype).float()
-    y = fp8_block_linear(a, w2, s2, block)
-    if b2 is not None:
-        y = y + b2.float()
-    return y
-
-
-def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=None,
-                        alpha=None, limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=2) in the kernels' exact operation
-    order (fp8_expert_exact, slot_order_reference). The FP8 kernels must equal this bit for
-    bit."""
-
-    def expert(rows, e):
-        return fp8_expert_exact(x[rows], w1[e], s1[e], w2[e], s2[e], block,
-                                None if w1_bias is None else w1_bias[e],
-                                None if w2_bias is None else w2_bias[e], alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
-
-
-def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
-                               factor=None) -> torch.Tensor:
-    """shared_expert_cpu(use_fp8_w8a16=True) in the kernels' order: the expert as above
-    (weight 1), then + factor * fused_experts_out in fp32 (product rounded, then sum)."""
-    with kernel_activations():
-        y = fp8_expert_exact(x, w1, s1, w2, s2, block)
-    acc = torch.zeros_like(y) + y
-    if fused is not None:
-        acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
-    return acc.to(x.dtype)
 
 
 def subprocess_env(**extra):
@@ -660,23 +460,6 @@ def ref_int4(x, w: Int4Weights, tw, ti, **kw) -> torch.Tensor:
     from cpumoe import reference
 
     return reference.fused_experts(x, w.u1[0], w.u2[0], tw, ti, **w.ref_kwargs(), **kw)
-
-
-def int4_exact_reference(x, w: Int4Weights, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
-                         limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=3) in the kernels' exact order
-    (slot_order_reference): the INT4 kernels must equal it bit for bit."""
-    from cpumoe import reference
-
-    (w1, z1, s1), (w2, z2, s2) = w.u1, w.u2
-
-    def expert(rows, e):
-        return reference.expert_mlp_int4(
-            x[rows], w1[e], z1[e], s1[e], w2[e], z2[e], s2[e],
-            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
-            alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
 
 
 def assert_int4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",

@@ -31,15 +31,12 @@ from cpumoe_testing import (
     apply_variant,
     assert_fp8_close,
     call_fused,
-    e4m3_value,
-    fp8_exact_reference,
     fp8_from_codes,
     fp8_scale_shape,
-    fp8_shared_exact_reference,
     isa_params,
     make_bias,
-    make_fp8_hidden,
     make_fp8_weights,
+    make_quantized_hidden,
     make_routing,
     make_weights,
     pack,
@@ -47,12 +44,13 @@ from cpumoe_testing import (
     run_fused_fp8,
     use_isa,
 )
+from exact_reference import e4m3_value, fp8_exact_reference, fp8_shared_exact_reference
 
 NAN_CODES = (0x7F, 0xFF)
 
 
 def make_case(M, E, topk, N, K, dtype, block, style="quant", **routing):
-    x = make_fp8_hidden(M, K, dtype, style)
+    x = make_quantized_hidden(M, K, dtype, style)
     w1, s1, w2, s2 = make_fp8_weights(E, N, K, block, style)
     tw, ti = make_routing(M, E, topk, **routing)
     return x, w1, s1, w2, s2, tw, ti
@@ -402,7 +400,7 @@ def test_huge_scale_with_zero_weight():
 # "quant": quant.quantize_fp8_blockwise of randn / sqrt(fan-in) floats, x = randn;
 # "sglang": SGLang's data (clamp(randn*400, +-400) fp8, scales rand*1e-3, x = randn/sqrt(K)).
 # Measured over 8 seeds on this set and EXTRA (tiers are bit-identical): worst
-# |out - ref| / fp8_bound(ref) = 0.48 (bf16) and 0.32 (fp16), i.e. one output ulp;
+# |out - ref| / row_bound(ref, TOL_FP8) = 0.48 (bf16) and 0.32 (fp16), i.e. one output ulp;
 # up to 2.6% (bf16) and 12.5% (fp16) of a problem's elements differ from reference.py by
 # such ulps, none from fp8_exact_reference.
 # (block, M, N, K, E, topk, dtype, is_vnni, style)

@@ -21,7 +21,6 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     Int4Weights,
     assert_int4_close,
-    int4_exact_reference,
     isa_params,
     make_bias,
     make_routing,
@@ -29,6 +28,7 @@ from cpumoe_testing import (
     run_fused_int4,
     use_isa,
 )
+from exact_reference import int4_exact_reference
 
 # ---------------------------------------------------------------------------------------
 # 1. Packing

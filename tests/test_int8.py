@@ -23,22 +23,21 @@ from cpumoe_testing import (
     apply_variant,
     assert_int8_close,
     call_fused,
-    int8_exact_reference,
     isa_params,
-    kernel_activations,
     make_bias,
-    make_int8_hidden,
     make_int8_weights,
+    make_quantized_hidden,
     make_routing,
     pack,
     raises,
     run_fused_int8,
     use_isa,
 )
+from exact_reference import int8_exact_reference, kernel_activations
 
 
 def make_case(M, E, topk, N, K, dtype, style="quant", **routing):
-    x = make_int8_hidden(M, K, dtype, style)
+    x = make_quantized_hidden(M, K, dtype, style)
     w1, s1, w2, s2 = make_int8_weights(E, N, K, style)
     tw, ti = make_routing(M, E, topk, **routing)
     return x, w1, s1, w2, s2, tw, ti
@@ -187,7 +186,7 @@ def test_matches_exact_reference_bitwise(isa, case):
     (per-row quantization with one fp32 division and round-half-even, (acc * row_scale) *
     channel_scale, 16-bit intermediate, re-quantization, fp32 topk weight and sum) is
     pinned, for bf16 and fp16, biases and swiglu. If numeric.h's exp changes, update
-    kernel_expf in cpumoe_testing.py."""
+    kernel_expf in exact_reference.py."""
     args, kw = exact_case(case)
     out = run_fused_int8(*args, is_vnni=True, **kw)
     expected = int8_exact_reference(*args, **kw)
