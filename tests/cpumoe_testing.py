@@ -37,10 +37,27 @@ def tier_supported(tier: str) -> bool:
 SUPPORTED_ISAS = [t for t in BUILT_ISAS if tier_supported(t)]
 
 
+def unsupported_reason(tier: str) -> str:
+    """The skip reason of a test that needs `tier` on a CPU that cannot run it: the tier,
+    and why (the best tier the CPU supports and the features cpuid found)."""
+    return (f"this CPU cannot run the {tier} tier: its best tier is {BEST_ISA} "
+            f"(CPU features found: {' '.join(cpumoe.cpu_features()) or 'none'})")
+
+
 def skip_unless_supported(tier: str) -> None:
     if not tier_supported(tier):
-        pytest.skip(f"CPU cannot run the {tier} tier (best supported: {BEST_ISA}; "
-                    f"{cpumoe.isa_reason()})")
+        pytest.skip(unsupported_reason(tier))
+
+
+def _needs_two_tiers_reason() -> str:
+    if len(BUILT_ISAS) < 2:
+        return f"compares tiers, but this build has only the {BUILT_ISAS[0]} tier"
+    return (f"compares tiers, but only the {SUPPORTED_ISAS[0]} tier runs here; "
+            + unsupported_reason(BUILT_ISAS[1]))
+
+
+# Marks a test that runs one call on every tier this CPU supports and compares them.
+needs_two_tiers = pytest.mark.skipif(len(SUPPORTED_ISAS) < 2, reason=_needs_two_tiers_reason())
 
 
 @contextlib.contextmanager
@@ -60,7 +77,7 @@ def isa_params(tiers=None):
     tiers = BUILT_ISAS if tiers is None else tiers
     return [
         pytest.param(t, id=t, marks=() if tier_supported(t) else pytest.mark.skip(
-            reason=f"CPU cannot run the {t} tier (best supported: {BEST_ISA})"))
+            reason=unsupported_reason(t)))
         for t in tiers
     ]
 
@@ -86,11 +103,19 @@ TOL = {
 }
 
 
-def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "") -> None:
+def assert_elementwise_close(out: torch.Tensor, ref: torch.Tensor, tol_table: dict,
+                             msg: str = "") -> None:
+    """out finite, same dtype/shape as ref, and |out - ref| <= atol + rtol |ref| with
+    atol/rtol from tol_table[ref.dtype] (the form of TOL)."""
     assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype], msg=lambda m: f"{msg}\n{m}")
+    torch.testing.assert_close(out.float(), ref.float(), **tol_table[ref.dtype],
+                               msg=lambda m: f"{msg}\n{m}")
+
+
+def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "") -> None:
+    assert_elementwise_close(out, ref, TOL, msg)
 
 
 def make_routing(M: int, E: int, topk: int, *, renormalize: bool = False,
@@ -485,3 +510,82 @@ def make_scheme_weights(method: int, E: int, N: int, K: int, dtype=torch.bfloat1
         return w1, w2, dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
     w1, s1, w2, s2 = make_fp8_weights(E, N, K, block)
     return w1, w2, dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=list(block))
+
+
+# ---------------------------------------------------------------------------------------
+# Numerics classes: which tiers must agree bit for bit, and how closely the others must.
+
+# Tolerance between outputs of tiers of different numerics classes (cpumoe.numerics_class),
+# per scheme: each scheme's tolerance against reference.py, in the same form (elementwise
+# for 16-bit weights, scaled by the rms of the output row for the quantized schemes).
+# Why the same bound: a class fixes one fp32 operation order (summation order, exp, where a
+# scale is applied); reference.py is just another such order. Each of them computes the
+# exact math up to fp32 noise and rounds to 16 bits, so any two differ by what that noise
+# can do: flip an intermediate 16-bit rounding, then land the output on the neighbouring
+# ulp. The reasoning at each TOL table bounds exactly that. The count of differing elements
+# is not limited (INT8_MAX_MISMATCH guards the fp32-chain order against reference.py; a
+# class with another order may move many elements by an ulp and still be right).
+CROSS_CLASS_TOLERANCE = {
+    cpumoe.MoeCompMethod.UNQUANT: TOL,
+    cpumoe.MoeCompMethod.INT8_W8A8: TOL_INT8,
+    cpumoe.MoeCompMethod.FP8_W8A16: TOL_FP8,
+    cpumoe.MoeCompMethod.INT4_W4A8: TOL_INT4,
+}
+
+
+def bit_difference(out: torch.Tensor, expected: torch.Tensor) -> str:
+    """How far from bit-identical out is: the count of differing elements and the largest
+    difference (for assertion messages)."""
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        return (f"got {out.dtype} {tuple(out.shape)}, expected {expected.dtype} "
+                f"{tuple(expected.shape)}")
+    diff = (out.float() - expected.float()).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    return f"{int((diff != 0).sum())} of {diff.numel()} elements differ (max {worst})"
+
+
+def assert_numerics_agree(out: torch.Tensor, out_class: str, expected: torch.Tensor,
+                          expected_class: str, scheme: int, msg: str = "") -> None:
+    """out and expected are one call's result from two sources (two tiers, or a tier and
+    an exact model) of numerics classes out_class and expected_class: bit-identical when
+    the classes are the same, else within CROSS_CLASS_TOLERANCE[scheme]."""
+    if out_class == expected_class:
+        assert torch.equal(out, expected), (
+            f"{bit_difference(out, expected)}; both of numerics class {out_class} {msg}")
+        return
+    tol_table = CROSS_CLASS_TOLERANCE[scheme]
+    where = f"(numerics classes {out_class} vs {expected_class}) {msg}"
+    if scheme == cpumoe.MoeCompMethod.UNQUANT:
+        assert_elementwise_close(out, expected, tol_table, where)
+    else:
+        assert_row_close(out, expected, tol_table, where, max_mismatch=None)
+
+
+def assert_tiers_agree(outs: dict, scheme: int, msg: str = "") -> torch.Tensor:
+    """outs maps tiers (worst first) to their outputs of one call. Each tier must equal
+    the first tier of its numerics class bit for bit, and each class's first tier must be
+    within CROSS_CLASS_TOLERANCE[scheme] of the first tier of all. Returns that first
+    tier's output, the one the tests compare with a reference."""
+    tiers = list(outs)
+    first_of_class = {}
+    for tier in tiers:
+        tier_class = cpumoe.numerics_class(tier)
+        anchor = first_of_class.setdefault(tier_class, tier)
+        if anchor == tier:
+            anchor = tiers[0]
+        assert_numerics_agree(outs[tier], tier_class, outs[anchor],
+                              cpumoe.numerics_class(anchor), scheme,
+                              f"({tier} vs {anchor}) {msg}")
+    return outs[tiers[0]]
+
+
+def assert_matches_exact(out: torch.Tensor, expected: torch.Tensor, scheme: int,
+                         msg: str = "", tier: Optional[str] = None) -> None:
+    """out, computed on `tier` (default: the active one), against exact_reference's model
+    of the same call: bit for bit when the tier is of the class that model repeats
+    (EXACT_NUMERICS_CLASS), else within CROSS_CLASS_TOLERANCE[scheme]."""
+    from exact_reference import EXACT_NUMERICS_CLASS
+
+    tier = cpumoe.isa() if tier is None else tier
+    assert_numerics_agree(out, cpumoe.numerics_class(tier), expected, EXACT_NUMERICS_CLASS,
+                          scheme, f"({tier} vs exact_reference) {msg}")

@@ -21,9 +21,12 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     Int4Weights,
     assert_int4_close,
+    assert_matches_exact,
+    assert_tiers_agree,
     isa_params,
     make_bias,
     make_routing,
+    needs_two_tiers,
     ref_int4,
     run_fused_int4,
     use_isa,
@@ -174,21 +177,20 @@ def test_matches_exact_reference_bitwise(case):
     x, w, tw, ti = make_case(*case[:6], DTYPES[case[6]], case[7])
     out = run_fused_int4(x, w, tw, ti)
     expected = int4_exact_reference(x, w, tw, ti)
-    diff = (out.float() - expected.float()).abs()
-    assert torch.equal(out, expected), (
-        f"{(diff > 0).sum().item()} of {diff.numel()} elements differ (max {diff.max().item()})")
+    assert_matches_exact(out, expected, INT4)
 
 
-@pytest.mark.skipif(len(SUPPORTED_ISAS) < 2, reason="only one tier runs on this CPU")
+@needs_two_tiers
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tiers_bit_identical(case):
+    """Every tier equals the first tier of its numerics class bit for bit, and that one
+    the worst tier within CROSS_CLASS_TOLERANCE."""
     x, w, tw, ti = make_case(*case[:6], DTYPES[case[6]], case[7])
     outs = {}
     for tier in SUPPORTED_ISAS:
         with use_isa(tier):
             outs[tier] = run_fused_int4(x, w, tw, ti)
-    for tier, out in outs.items():
-        assert torch.equal(out, outs["scalar"]), f"{tier} differs from scalar"
+    assert_tiers_agree(outs, INT4)
 
 
 def test_decode_and_prefill_paths_agree(isa):
@@ -324,7 +326,7 @@ def test_bias_and_swiglu(isa, act):
         kw.update(alpha=1.702, limit=7.0)
     out = run_fused_int4(x, w, tw, ti, **kw)
     assert_int4_close(out, ref_int4(x, w, tw, ti, **kw))
-    assert torch.equal(out, int4_exact_reference(x, w, tw, ti, **kw))
+    assert_matches_exact(out, int4_exact_reference(x, w, tw, ti, **kw), INT4)
     assert not torch.equal(out, run_fused_int4(x, w, tw, ti))
 
 
