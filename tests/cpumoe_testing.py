@@ -208,7 +208,7 @@ def make_int8_weights(E: int, N: int, K: int, style: str = "quant"):
 
     * ``"quant"``: :func:`cpumoe.quant.quantize_int8_per_channel` of the float weights of
       :func:`make_weights` (what a model loader produces);
-    * ``"sglang"``: SGLang's test_int8_moe data (REFERENCE.md §12):
+    * ``"sglang"``: the data of SGLang's own CPU test test_int8_moe:
       ``w = ((rand - 0.5) * 2 * 127).clamp(-128, 127).int8``, scales ``rand * 1e-2``.
     """
     from cpumoe import quant
@@ -353,7 +353,7 @@ def make_fp8_weights(E: int, N: int, K: int, block, style: str = "quant"):
 
     * ``"quant"``: :func:`cpumoe.quant.quantize_fp8_blockwise` of the float weights of
       :func:`make_weights` (what a DeepSeek-style checkpoint holds);
-    * ``"sglang"``: SGLang's test_fp8_moe data (REFERENCE.md §12):
+    * ``"sglang"``: the data of SGLang's own CPU test test_fp8_moe:
       ``w = clamp(randn * 400, -400, 400).fp8``, scales ``rand * 1e-3``.
     """
     from cpumoe import quant
@@ -515,9 +515,10 @@ def make_scheme_weights(method: int, E: int, N: int, K: int, dtype=torch.bfloat1
 # ---------------------------------------------------------------------------------------
 # Numerics classes: which tiers must agree bit for bit, and how closely the others must.
 
-# Tolerance between outputs of tiers of different numerics classes (cpumoe.numerics_class),
-# per scheme: each scheme's tolerance against reference.py, in the same form (elementwise
-# for 16-bit weights, scaled by the rms of the output row for the quantized schemes).
+# Tolerance between outputs of tiers of different numerics classes (cpumoe.numerics_class;
+# docs/NUMERICS.md, tolerances between classes), per scheme: each scheme's tolerance
+# against reference.py, in the same form (elementwise for 16-bit weights, scaled by the rms
+# of the output row for the quantized schemes).
 # Why the same bound: a class fixes one fp32 operation order (summation order, exp, where a
 # scale is applied); reference.py is just another such order. Each of them computes the
 # exact math up to fp32 noise and rounds to 16 bits, so any two differ by what that noise

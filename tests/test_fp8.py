@@ -1,6 +1,7 @@
 """FP8 W8A16 (fused_experts_cpu moe_comp_method=2, shared_expert_cpu use_fp8_w8a16=True):
 float8_e4m3fn weights with 2-D fp32 block scales ``block_size = [block_n, block_k]``,
-bf16/fp16 activations (REFERENCE.md §6.2, §7.1, §12; DESIGN.md §3: exact decoding).
+bf16/fp16 activations (docs/MATH.md, FP8 W8A16; docs/FORMATS.md, fp8 weights;
+docs/SGLANG.md, exact FP8 decoding where SGLang maps zero and subnormals wrong).
 
 * exact decoding of all 256 codes, read back one weight at a time through the op, on the
   in-register decode path and the decode-once path; zero weights give exact zeros (SGLang
@@ -683,8 +684,9 @@ def test_unpacked_equals_packed_bitwise(isa, dt):
 
 def formula_source_index(shape) -> torch.Tensor:
     """For each position of the packed tensor, the flat index of the source element it
-    holds (REFERENCE.md §7.1: block b of expert e = rows 32b .. 32b+nsz-1 at offset
-    e*OC*IC + 32*b*IC, inside it dst[(k/2)*2*nsz + 2*n + (k%2)] = W[32b+n][k])."""
+    holds (docs/FORMATS.md, fp8 weights as VNNI-2 of bytes: block b of expert e = rows
+    32b .. 32b+nsz-1 at offset e*OC*IC + 32*b*IC, inside it
+    dst[(k/2)*2*nsz + 2*n + (k%2)] = W[32b+n][k])."""
     E = shape[0] if len(shape) == 3 else 1
     OC, IC = shape[-2:]
     src = [0] * (E * OC * IC)

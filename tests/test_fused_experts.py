@@ -1,6 +1,7 @@
 """fused_experts_cpu (moe_comp_method 0, bf16/fp16 weights) against reference.py, on every
-ISA tier; plus the properties of DESIGN.md §3: bit-identical tiers, thread-count
-independence, -1 ids, any float topk_weights, int64 ids, M == 0, inplace, biases."""
+ISA tier; plus what docs/SGLANG.md lists as our deliberate differences: tiers that agree
+by numerics class (docs/NUMERICS.md), thread-count independence, -1 ids, any float
+topk_weights, int64 ids, M == 0, inplace, biases."""
 
 from __future__ import annotations
 
@@ -245,7 +246,8 @@ BITWISE_CASES = [
 def test_tiers_bit_identical(case):
     """In a tier of the fp32-chain numerics class each output element is one sequential
     fp32 FMA chain, so all tiers of a class agree bit for bit, and tiers of different
-    classes within CROSS_CLASS_TOLERANCE (docs/KERNELS.md, numerics classes; ukernels.h)."""
+    classes within CROSS_CLASS_TOLERANCE (docs/NUMERICS.md; docs/KERNELS.md, the kernel
+    contract)."""
     M, E, topk, N, K, dt, variant = case
     dtype = DTYPES[dt]
     x, w1, w2, tw, ti = make_case(M, E, topk, N, K, dtype,
@@ -452,7 +454,7 @@ def test_topk_weights_dtypes(isa, dt, wdt):
 
 def test_noncontiguous_routing(isa):
     """topk_weights/topk_ids may be non-contiguous views (SGLang reads them as if
-    contiguous, REFERENCE.md §3.3.j; we must not)."""
+    contiguous; docs/SGLANG.md, inputs SGLang mishandles; we must not)."""
     M, E, topk = 10, 8, 3
     x, w1, w2, tw, ti = make_case(M, E, topk, 32, 64, torch.bfloat16)
     tw_nc = tw.t().contiguous().t()
@@ -655,7 +657,8 @@ def test_swiglu_without_bias(isa):
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 def test_bias_with_silu(isa, dt, M):
     """w1_bias/w2_bias without alpha/limit: plain silu with biases. SGLang drops w1_bias
-    when M is small (REFERENCE.md §3.3.g); we must honour it at every M."""
+    when M is small (docs/SGLANG.md, biases with SiLU·mul at small batches); we must
+    honour it at every M."""
     dtype = DTYPES[dt]
     E, topk, N, K = 4, 2, 64, 96
     x, w1, w2, tw, ti = make_case(M, E, topk, N, K, dtype)

@@ -1,6 +1,7 @@
 """INT8 W8A8 (fused_experts_cpu moe_comp_method=1, shared_expert_cpu use_int8_w8a8=True):
 int8 weights with per output channel fp32 scales, activations quantized per row inside the
-op (REFERENCE.md §6.1, DESIGN.md §3, docs/FORMATS.md).
+op (docs/MATH.md, INT8 W8A8; docs/SGLANG.md, round half to even on every path;
+docs/FORMATS.md, int8 weights).
 
 Against reference.py (tolerance TOL_INT8, reasoning in cpumoe_testing.py) on every tier,
 bit for bit against the reference with the kernels' exp (int8_exact_reference), bit for
