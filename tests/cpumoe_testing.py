@@ -2,7 +2,11 @@
 fixtures live in conftest.py, the bit-exact models of the kernels in exact_reference.py).
 
 * tiers: ``BUILT_ISAS`` / ``SUPPORTED_ISAS``, ``use_isa`` / ``isa_params`` /
-  ``skip_unless_supported`` (tiers the CPU cannot run are skipped with a reason);
+  ``skip_unless_supported`` / ``needs_two_tiers`` (tiers the CPU cannot run are skipped
+  with a reason: ``unsupported_reason``);
+* numerics classes: ``assert_tiers_agree`` (tier against tier) and
+  ``assert_matches_exact`` (tier against exact_reference.py), bit for bit within a class
+  and within ``CROSS_CLASS_TOLERANCE`` across classes;
 * inputs: ``make_routing`` / ``make_weights`` / ``make_hidden`` / ``make_bias`` like
   SGLang's tests (softmax scores + topk), scaled so that every intermediate and the output
   are O(1); per scheme ``make_int8_weights`` / ``make_fp8_weights`` / ``Int4Weights`` /
