@@ -1,8 +1,11 @@
-"""pytest fixtures of the cpumoe test suite (helpers: cpumoe_testing.py).
+"""pytest fixtures of the cpumoe test suite (test plumbing: cpumoe_testing.py; bit-exact
+models of the kernels: exact_reference.py).
 
-* ``isa``: runs a test once per ISA tier compiled into the build; tiers the CPU cannot
-  run (above ``cpumoe.best_isa()``) are skipped with a reason; the previous tier is
-  restored afterwards. Parametrize it indirectly to pick tiers per case.
+* ``isa``: runs a test once per ISA tier compiled into the build (``cpumoe.built_isas()``);
+  tiers the CPU cannot run (above ``cpumoe.best_isa()``) are skipped with a reason that
+  names the tier, the CPU's best tier and its features (cpumoe_testing.unsupported_reason);
+  the previous tier is restored afterwards. Parametrize it indirectly to pick tiers per
+  case.
 * an autouse fixture seeds torch per test and restores the thread count and tier.
 """
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)  # cpumoe_testing
+sys.path.insert(0, _HERE)  # cpumoe_testing, exact_reference
 # `pytest tests` works without PYTHONPATH=python; an explicit PYTHONPATH still wins.
 sys.path.append(os.path.join(os.path.dirname(_HERE), "python"))
 

@@ -1,12 +1,21 @@
-"""Helpers shared by the cpumoe tests (imported as ``from cpumoe_testing import ...``;
-the fixtures live in conftest.py).
+"""Test plumbing shared by the cpumoe tests (``from cpumoe_testing import ...``; the
+fixtures live in conftest.py, the bit-exact models of the kernels in exact_reference.py).
 
-* ``use_isa`` / ``isa_params``: run on a given ISA tier; tiers above
-  ``cpumoe.best_isa()`` are skipped with a reason.
-* ``make_routing`` / ``make_weights`` / ``make_hidden``: inputs like SGLang's tests
-  (softmax scores + topk), scaled so that every intermediate and the output are O(1).
-* ``TOL`` / ``assert_moe_close``: tolerance per activation dtype against the fp32-math
-  reference (reasoning below).
+* tiers: ``BUILT_ISAS`` / ``SUPPORTED_ISAS``, ``use_isa`` / ``isa_params`` /
+  ``skip_unless_supported`` / ``needs_two_tiers`` (tiers the CPU cannot run are skipped
+  with a reason: ``unsupported_reason``);
+* numerics classes: ``assert_tiers_agree`` (tier against tier) and
+  ``assert_matches_exact`` (tier against exact_reference.py), bit for bit within a class
+  and within ``CROSS_CLASS_TOLERANCE`` across classes;
+* inputs: ``make_routing`` / ``make_weights`` / ``make_hidden`` / ``make_bias`` like
+  SGLang's tests (softmax scores + topk), scaled so that every intermediate and the output
+  are O(1); per scheme ``make_int8_weights`` / ``make_fp8_weights`` / ``Int4Weights`` /
+  ``make_quantized_hidden`` / ``make_scheme_weights``;
+* calls: ``run_fused`` / ``run_fused_int8`` / ``run_fused_fp8`` / ``run_fused_int4``,
+  ``call_fused`` / ``DROP`` / ``raises`` for the error tests, ``subprocess_env``;
+* tolerances against reference.py, each with its reasoning: ``TOL`` /
+  ``assert_moe_close`` (16-bit weights), ``TOL_INT8`` / ``TOL_FP8`` / ``TOL_INT4`` with
+  ``assert_row_close`` and its per-scheme forms.
 """
 
 from __future__ import annotations
@@ -32,10 +41,27 @@ def tier_supported(tier: str) -> bool:
 SUPPORTED_ISAS = [t for t in BUILT_ISAS if tier_supported(t)]
 
 
+def unsupported_reason(tier: str) -> str:
+    """The skip reason of a test that needs `tier` on a CPU that cannot run it: the tier,
+    and why (the best tier the CPU supports and the features cpuid found)."""
+    return (f"this CPU cannot run the {tier} tier: its best tier is {BEST_ISA} "
+            f"(CPU features found: {' '.join(cpumoe.cpu_features()) or 'none'})")
+
+
 def skip_unless_supported(tier: str) -> None:
     if not tier_supported(tier):
-        pytest.skip(f"CPU cannot run the {tier} tier (best supported: {BEST_ISA}; "
-                    f"{cpumoe.isa_reason()})")
+        pytest.skip(unsupported_reason(tier))
+
+
+def _needs_two_tiers_reason() -> str:
+    if len(BUILT_ISAS) < 2:
+        return f"compares tiers, but this build has only the {BUILT_ISAS[0]} tier"
+    return (f"compares tiers, but only the {SUPPORTED_ISAS[0]} tier runs here; "
+            + unsupported_reason(BUILT_ISAS[1]))
+
+
+# Marks a test that runs one call on every tier this CPU supports and compares them.
+needs_two_tiers = pytest.mark.skipif(len(SUPPORTED_ISAS) < 2, reason=_needs_two_tiers_reason())
 
 
 @contextlib.contextmanager
@@ -55,7 +81,7 @@ def isa_params(tiers=None):
     tiers = BUILT_ISAS if tiers is None else tiers
     return [
         pytest.param(t, id=t, marks=() if tier_supported(t) else pytest.mark.skip(
-            reason=f"CPU cannot run the {t} tier (best supported: {BEST_ISA})"))
+            reason=unsupported_reason(t)))
         for t in tiers
     ]
 
@@ -81,11 +107,19 @@ TOL = {
 }
 
 
-def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "") -> None:
+def assert_elementwise_close(out: torch.Tensor, ref: torch.Tensor, tol_table: dict,
+                             msg: str = "") -> None:
+    """out finite, same dtype/shape as ref, and |out - ref| <= atol + rtol |ref| with
+    atol/rtol from tol_table[ref.dtype] (the form of TOL)."""
     assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out.float()).all(), f"non-finite output {msg}"
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype], msg=lambda m: f"{msg}\n{m}")
+    torch.testing.assert_close(out.float(), ref.float(), **tol_table[ref.dtype],
+                               msg=lambda m: f"{msg}\n{m}")
+
+
+def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "") -> None:
+    assert_elementwise_close(out, ref, TOL, msg)
 
 
 def make_routing(M: int, E: int, topk: int, *, renormalize: bool = False,
@@ -178,7 +212,7 @@ def make_int8_weights(E: int, N: int, K: int, style: str = "quant"):
 
     * ``"quant"``: :func:`cpumoe.quant.quantize_int8_per_channel` of the float weights of
       :func:`make_weights` (what a model loader produces);
-    * ``"sglang"``: SGLang's test_int8_moe data (REFERENCE.md §12):
+    * ``"sglang"``: the data of SGLang's own CPU test test_int8_moe:
       ``w = ((rand - 0.5) * 2 * 127).clamp(-128, 127).int8``, scales ``rand * 1e-2``.
     """
     from cpumoe import quant
@@ -197,9 +231,11 @@ def make_int8_weights(E: int, N: int, K: int, style: str = "quant"):
     return w1, s1, w2, s2
 
 
-def make_int8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
-    """Activations for :func:`make_int8_weights`: ``randn`` for ``"quant"`` (gate/up values
-    ~ N(0, 1)), SGLang's ``randn / sqrt(K)`` for ``"sglang"``."""
+def make_quantized_hidden(M: int, K: int, dtype: torch.dtype,
+                          style: str = "quant") -> torch.Tensor:
+    """Activations for :func:`make_int8_weights` and :func:`make_fp8_weights` of the same
+    `style`: ``randn`` for ``"quant"`` (gate/up values ~ N(0, 1)), SGLang's
+    ``randn / sqrt(K)`` for ``"sglang"``."""
     x = torch.randn(M, K)
     return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
 
@@ -224,8 +260,8 @@ def make_int8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -
 # atol = rtol = 1e-2 (SGLang's int8 tolerance) covers one output ulp plus one bucket flip;
 # a real error (wrong expert, scale, compensation, gate/up swap, dropped bias) is O(10%).
 # Nearly all elements are bit-identical (a handful per problem; see INT8_MAX_MISMATCH),
-# and int8_exact_reference below removes both differences: tests that need more than
-# this tolerance compare bit for bit against it.
+# and exact_reference.int8_exact_reference removes both differences: tests that need
+# more than this tolerance compare bit for bit against it.
 # Measured (the PAIRWISE cases of test_int8.py plus SGLang's shapes, silu and bias+swiglu,
 # 8 seeds, 336 problems): worst |out - ref| / bound = 0.18 (bf16) and 0.054 (fp16), at
 # most 0.16% of the elements differ at all, and every problem equals int8_exact_reference
@@ -280,14 +316,6 @@ def assert_row_close(out: torch.Tensor, ref: torch.Tensor, tol_table: dict, msg:
             f"tolerance, but too many for rounding accidents) {msg}")
 
 
-def int8_bound(ref: torch.Tensor) -> torch.Tensor:
-    return row_bound(ref, TOL_INT8)
-
-
-def int8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return row_scaled_error(out, ref, TOL_INT8)
-
-
 def assert_int8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                       max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_INT8, msg, max_mismatch)
@@ -300,106 +328,6 @@ def run_fused_int8(x, w1, s1, w2, s2, tw, ti, *, is_vnni: bool, **kw) -> torch.T
         w1, w2 = pack(w1), pack(w2)
     return cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=INT8, w1_scale=s1,
                                 w2_scale=s2, is_vnni=is_vnni, **kw)
-
-
-# The kernels' activation functions, emulated in torch with the same fp32 operation
-# sequence (csrc/kernels/common/numeric.h: "the operation sequence is the contract").
-# fmaf is emulated as float64 a*b (exact) + c, rounded to fp64 then fp32; that double
-# rounding differs from fmaf only if the fp64 sum lands exactly on an fp32 midpoint.
-# Checked: kernel_silu equals numeric.h's cm_siluf compiled with gcc bit for bit on 1.1M
-# inputs (torch's F.silu differs on 0.4% of them).
-
-def _f32(v: float) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.float32)
-
-
-def _fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return (a.double() * b.double() + c.double()).float()
-
-
-_EXP_MAGIC = 12582912.0  # 1.5 * 2^23
-_EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-             5.0000001201e-1)
-
-
-def kernel_expf(x: torch.Tensor) -> torch.Tensor:
-    """cm_expf: clamp to [-87, 88], Cody-Waite reduction by ln2, degree-6 polynomial."""
-    x = x.float().clamp(-87.0, 88.0)
-    t = x * _f32(1.44269504088896341) + _f32(_EXP_MAGIC)
-    n = t - _f32(_EXP_MAGIC)
-    r = _fmaf(n, _f32(-0.693359375), x)
-    r = _fmaf(n, _f32(2.12194440e-4), r)
-    p = torch.full_like(x, 1.9875691500e-4)
-    for c in _EXP_POLY:
-        p = _fmaf(p, r, _f32(c))
-    p = _fmaf(p, r * r, r) + _f32(1.0)
-    return p * torch.pow(_f32(2.0), n)
-
-
-def kernel_silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    """cm_silu_mul on [gate; up] halves: (gate / (1 + exp(-gate))) * up."""
-    n = h.shape[-1] // 2
-    g, u = h[..., :n].float(), h[..., n:].float()
-    return (g / (_f32(1.0) + kernel_expf(-g))) * u
-
-
-def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """cm_swiglu_clampf on interleaved (gate, up) columns."""
-    lim = _f32(limit)
-    g = torch.minimum(h[..., 0::2].float(), lim)
-    u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
-    s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
-    return (g * s) * (u + _f32(1.0))
-
-
-@contextlib.contextmanager
-def kernel_activations():
-    """Within the block, reference.py computes its activations with the kernels' exp."""
-    from cpumoe import reference
-
-    saved = reference.silu_and_mul, reference.swiglu_clamp
-    reference.silu_and_mul, reference.swiglu_clamp = kernel_silu_and_mul, kernel_swiglu_clamp
-    try:
-        yield
-    finally:
-        reference.silu_and_mul, reference.swiglu_clamp = saved
-
-
-def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:
-    """A quantized scheme's reference with the two remaining differences to the kernels
-    removed: the kernels' exp (kernel_activations) and the sum over the topk slots in slot
-    order (the kernels' order; reference.py sums per expert). expert_fn(rows, e) returns
-    one expert's fp32 output for the token rows x[rows] (before the topk weight)."""
-    M, K = x.shape
-    ids = ti.long()
-    g = tw.float()
-    ys = torch.zeros(M, ids.shape[1], K)
-    with kernel_activations():
-        for e in ids.unique().tolist():
-            if e < 0:
-                continue
-            rows, slots = (ids == e).nonzero(as_tuple=True)
-            ys[rows, slots] = expert_fn(rows, e) * g[rows, slots, None]
-    acc = torch.zeros(M, K)
-    for j in range(ids.shape[1]):
-        acc = acc + ys[:, j]
-    return acc.to(x.dtype)
-
-
-def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
-                         alpha=None, limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=1) in the kernels' exact order
-    (slot_order_reference). The INT8 kernels must equal this bit for bit (integer GEMMs,
-    every fp32 step in order)."""
-    from cpumoe import reference
-
-    def expert(rows, e):
-        return reference.expert_mlp_int8(
-            x[rows], w1[e], s1[e], w2[e], s2[e],
-            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
-            alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,16 +346,6 @@ def fp8_scale_shape(oc: int, ic: int, block) -> tuple:
     return ceil_div(oc, block[0]), ceil_div(ic, block[1])
 
 
-def e4m3_value(code: int) -> float:
-    """The e4m3fn value of a byte, from the format's definition (independent of torch):
-    s.eeee.mmm, bias 7; e = 0: subnormal (m/8) * 2^-6; 0x7f/0xff: NaN; no infinities."""
-    s, e, m = code >> 7, (code >> 3) & 0xF, code & 7
-    if e == 0xF and m == 7:
-        return float("nan")
-    v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-    return -v if s else v
-
-
 def fp8_from_codes(codes: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn tensor with the given byte values (any integer tensor)."""
     return codes.to(torch.uint8).view(FP8_DTYPE)
@@ -439,7 +357,7 @@ def make_fp8_weights(E: int, N: int, K: int, block, style: str = "quant"):
 
     * ``"quant"``: :func:`cpumoe.quant.quantize_fp8_blockwise` of the float weights of
       :func:`make_weights` (what a DeepSeek-style checkpoint holds);
-    * ``"sglang"``: SGLang's test_fp8_moe data (REFERENCE.md §12):
+    * ``"sglang"``: the data of SGLang's own CPU test test_fp8_moe:
       ``w = clamp(randn * 400, -400, 400).fp8``, scales ``rand * 1e-3``.
     """
     from cpumoe import quant
@@ -458,13 +376,6 @@ def make_fp8_weights(E: int, N: int, K: int, block, style: str = "quant"):
     return w1, s1, w2, s2
 
 
-def make_fp8_hidden(M: int, K: int, dtype: torch.dtype, style: str = "quant") -> torch.Tensor:
-    """``randn`` for ``"quant"`` (gate/up values ~ N(0, 1)), SGLang's ``randn / sqrt(K)``
-    for ``"sglang"``."""
-    x = torch.randn(M, K)
-    return (x / K ** 0.5 if style == "sglang" else x).to(dtype)
-
-
 def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> torch.Tensor:
     """fused_experts with moe_comp_method=2 from unpacked fp8 weights: packs them first
     when is_vnni, else lets the op pack them per call."""
@@ -478,8 +389,8 @@ def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> t
 # The reference decodes each e4m3 byte exactly and multiplies by its block scale with one
 # fp32 rounding (reference.dequantize_fp8_blocks), then runs an fp32 GEMM; the kernels sum
 # each K block's exact products x * e4m3 in one fp32 chain and fold that sum in with one
-# fma by the block scale (fp8_block_linear below). Both compute in fp32 from the same
-# 16-bit activations. What differs is what differs on the bf16 path (TOL above):
+# fma by the block scale (exact_reference.fp8_block_linear). Both compute in fp32 from
+# the same 16-bit activations. What differs is what differs on the bf16 path (TOL above):
 #   * summation and rounding order: per-weight scale rounding and torch's blocked sums on
 #     one side, per-block chains and one scale rounding per block on the other; relative
 #     ~ sqrt(K) * 2^-24;
@@ -492,8 +403,8 @@ def run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, *, is_vnni: bool, **kw) -> t
 # fixed atol of 1e-2 would accept 20% errors): |out - ref| <= rtol |ref| + atol rms(row).
 # A real error (wrong block scale, a 0 decoded as 2^-7 * scale, a subnormal misdecoded,
 # a shifted block, a swapped gate/up, a dropped bias) moves outputs by O(1%-100%).
-# fp8_exact_reference below removes every difference: tests that need more compare bit
-# for bit against it.
+# exact_reference.fp8_exact_reference removes every difference: tests that need more
+# compare bit for bit against it.
 # One output ulp is at most 2^-7 / 1e-2 = 0.78 (bf16) and 2^-10 / 2e-3 = 0.49 (fp16) of the
 # bound. Measured with the per-block order (test_fp8.py's PAIRWISE + EXTRA, 4 seeds, 196
 # problems; avx512 tier, which is bit-identical to the others): worst |out - ref| / bound
@@ -511,91 +422,9 @@ TOL_FP8 = {
 FP8_MAX_MISMATCH = None
 
 
-def fp8_bound(ref: torch.Tensor) -> torch.Tensor:
-    return row_bound(ref, TOL_FP8)
-
-
-def fp8_scaled_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return row_scaled_error(out, ref, TOL_FP8)
-
-
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                      max_mismatch: Optional[float] = FP8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_FP8, msg, max_mismatch)
-
-
-def exact_fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """C's fmaf on fp32 tensors, exactly (reference.fmaf)."""
-    from cpumoe import reference
-
-    return reference.fmaf(a, b, c)
-
-
-def fma_chain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [T, R] @ w[O, R].T as the kernels compute it: for each output element one fp32
-    FMA chain acc = fmaf(a[t, r], w[o, r], acc) over r = 0, 1, ..., starting from 0."""
-    a, w = a.float(), w.float()
-    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
-    for r in range(a.shape[1]):
-        acc = exact_fmaf(a[:, r:r + 1], w[None, :, r], acc)
-    return acc
-
-
-def fp8_block_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """a [T, IC] @ the FP8 weight w [OC, IC] (float8_e4m3fn) with block scales, as the kernels
-    compute it (common/ukernels.h): per K block, P = one FMA chain over the block's k of
-    a * (value * 2^-8) from 0, then C = fmaf(P, scale, C), blocks in order; finally C * 256."""
-    bn, bk = block
-    oc, ic = w.shape
-    d = w.float() * 2.0 ** -8  # exact
-    s = scale.float().repeat_interleave(bn, 0)[:oc]  # [OC, K blocks]
-    c = torch.zeros(a.shape[0], oc, dtype=torch.float32)
-    for kb, k0 in enumerate(range(0, ic, bk)):
-        p = fma_chain_matmul(a[:, k0:k0 + bk], d[:, k0:k0 + bk])
-        c = exact_fmaf(p, s[None, :, kb], c)
-    return c * 256.0
-
-
-def fp8_expert_exact(x, w1, s1, w2, s2, block, b1=None, b2=None, alpha=None,
-                     limit=None) -> torch.Tensor:
-    """One FP8 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
-    the topk weight): block-scaled FMA chains (fp8_block_linear), + bias, the kernels'
-    activation, rounding to x's dtype, block-scaled FMA chains, + bias."""
-    h = fp8_block_linear(x, w1, s1, block)
-    if b1 is not None:
-        h = h + b1.float()
-    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
-    a = a.to(x.dtype).float()
-    y = fp8_block_linear(a, w2, s2, block)
-    if b2 is not None:
-        y = y + b2.float()
-    return y
-
-
-def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=None,
-                        alpha=None, limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=2) in the kernels' exact operation
-    order (fp8_expert_exact, slot_order_reference). The FP8 kernels must equal this bit for
-    bit."""
-
-    def expert(rows, e):
-        return fp8_expert_exact(x[rows], w1[e], s1[e], w2[e], s2[e], block,
-                                None if w1_bias is None else w1_bias[e],
-                                None if w2_bias is None else w2_bias[e], alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
-
-
-def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
-                               factor=None) -> torch.Tensor:
-    """shared_expert_cpu(use_fp8_w8a16=True) in the kernels' order: the expert as above
-    (weight 1), then + factor * fused_experts_out in fp32 (product rounded, then sum)."""
-    with kernel_activations():
-        y = fp8_expert_exact(x, w1, s1, w2, s2, block)
-    acc = torch.zeros_like(y) + y
-    if fused is not None:
-        acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
-    return acc.to(x.dtype)
 
 
 def subprocess_env(**extra):
@@ -662,23 +491,6 @@ def ref_int4(x, w: Int4Weights, tw, ti, **kw) -> torch.Tensor:
     return reference.fused_experts(x, w.u1[0], w.u2[0], tw, ti, **w.ref_kwargs(), **kw)
 
 
-def int4_exact_reference(x, w: Int4Weights, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
-                         limit=None) -> torch.Tensor:
-    """reference.fused_experts(..., moe_comp_method=3) in the kernels' exact order
-    (slot_order_reference): the INT4 kernels must equal it bit for bit."""
-    from cpumoe import reference
-
-    (w1, z1, s1), (w2, z2, s2) = w.u1, w.u2
-
-    def expert(rows, e):
-        return reference.expert_mlp_int4(
-            x[rows], w1[e], z1[e], s1[e], w2[e], z2[e], s2[e],
-            None if w1_bias is None else w1_bias[e], None if w2_bias is None else w2_bias[e],
-            alpha, limit)
-
-    return slot_order_reference(x, tw, ti, expert)
-
-
 def assert_int4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
                       max_mismatch: Optional[float] = INT8_MAX_MISMATCH) -> None:
     assert_row_close(out, ref, TOL_INT4, msg, max_mismatch)
@@ -702,3 +514,83 @@ def make_scheme_weights(method: int, E: int, N: int, K: int, dtype=torch.bfloat1
         return w1, w2, dict(moe_comp_method=1, w1_scale=s1, w2_scale=s2)
     w1, s1, w2, s2 = make_fp8_weights(E, N, K, block)
     return w1, w2, dict(moe_comp_method=2, w1_scale=s1, w2_scale=s2, block_size=list(block))
+
+
+# ---------------------------------------------------------------------------------------
+# Numerics classes: which tiers must agree bit for bit, and how closely the others must.
+
+# Tolerance between outputs of tiers of different numerics classes (cpumoe.numerics_class;
+# docs/NUMERICS.md, tolerances between classes), per scheme: each scheme's tolerance
+# against reference.py, in the same form (elementwise for 16-bit weights, scaled by the rms
+# of the output row for the quantized schemes).
+# Why the same bound: a class fixes one fp32 operation order (summation order, exp, where a
+# scale is applied); reference.py is just another such order. Each of them computes the
+# exact math up to fp32 noise and rounds to 16 bits, so any two differ by what that noise
+# can do: flip an intermediate 16-bit rounding, then land the output on the neighbouring
+# ulp. The reasoning at each TOL table bounds exactly that. The count of differing elements
+# is not limited (INT8_MAX_MISMATCH guards the fp32-chain order against reference.py; a
+# class with another order may move many elements by an ulp and still be right).
+CROSS_CLASS_TOLERANCE = {
+    cpumoe.MoeCompMethod.UNQUANT: TOL,
+    cpumoe.MoeCompMethod.INT8_W8A8: TOL_INT8,
+    cpumoe.MoeCompMethod.FP8_W8A16: TOL_FP8,
+    cpumoe.MoeCompMethod.INT4_W4A8: TOL_INT4,
+}
+
+
+def bit_difference(out: torch.Tensor, expected: torch.Tensor) -> str:
+    """How far from bit-identical out is: the count of differing elements and the largest
+    difference (for assertion messages)."""
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        return (f"got {out.dtype} {tuple(out.shape)}, expected {expected.dtype} "
+                f"{tuple(expected.shape)}")
+    diff = (out.float() - expected.float()).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    return f"{int((diff != 0).sum())} of {diff.numel()} elements differ (max {worst})"
+
+
+def assert_numerics_agree(out: torch.Tensor, out_class: str, expected: torch.Tensor,
+                          expected_class: str, scheme: int, msg: str = "") -> None:
+    """out and expected are one call's result from two sources (two tiers, or a tier and
+    an exact model) of numerics classes out_class and expected_class: bit-identical when
+    the classes are the same, else within CROSS_CLASS_TOLERANCE[scheme]."""
+    if out_class == expected_class:
+        assert torch.equal(out, expected), (
+            f"{bit_difference(out, expected)}; both of numerics class {out_class} {msg}")
+        return
+    tol_table = CROSS_CLASS_TOLERANCE[scheme]
+    where = f"(numerics classes {out_class} vs {expected_class}) {msg}"
+    if scheme == cpumoe.MoeCompMethod.UNQUANT:
+        assert_elementwise_close(out, expected, tol_table, where)
+    else:
+        assert_row_close(out, expected, tol_table, where, max_mismatch=None)
+
+
+def assert_tiers_agree(outs: dict, scheme: int, msg: str = "") -> torch.Tensor:
+    """outs maps tiers (worst first) to their outputs of one call. Each tier must equal
+    the first tier of its numerics class bit for bit, and each class's first tier must be
+    within CROSS_CLASS_TOLERANCE[scheme] of the first tier of all. Returns that first
+    tier's output, the one the tests compare with a reference."""
+    tiers = list(outs)
+    first_of_class = {}
+    for tier in tiers:
+        tier_class = cpumoe.numerics_class(tier)
+        anchor = first_of_class.setdefault(tier_class, tier)
+        if anchor == tier:
+            anchor = tiers[0]
+        assert_numerics_agree(outs[tier], tier_class, outs[anchor],
+                              cpumoe.numerics_class(anchor), scheme,
+                              f"({tier} vs {anchor}) {msg}")
+    return outs[tiers[0]]
+
+
+def assert_matches_exact(out: torch.Tensor, expected: torch.Tensor, scheme: int,
+                         msg: str = "", tier: Optional[str] = None) -> None:
+    """out, computed on `tier` (default: the active one), against exact_reference's model
+    of the same call: bit for bit when the tier is of the class that model repeats
+    (EXACT_NUMERICS_CLASS), else within CROSS_CLASS_TOLERANCE[scheme]."""
+    from exact_reference import EXACT_NUMERICS_CLASS
+
+    tier = cpumoe.isa() if tier is None else tier
+    assert_numerics_agree(out, cpumoe.numerics_class(tier), expected, EXACT_NUMERICS_CLASS,
+                          scheme, f"({tier} vs exact_reference) {msg}")

@@ -1,4 +1,4 @@
-"""Every bad input is a RuntimeError whose message names the argument (DESIGN.md §3),
+"""Every bad input is a RuntimeError whose message names the argument (docs/ERRORS.md),
 never a crash, a hang or silent garbage.
 
 The end of this file holds CATALOGUE, one case per distinct rejection; docs/ERRORS.md

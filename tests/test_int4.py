@@ -1,6 +1,6 @@
 """INT4 W4A8 (fused_experts_cpu moe_comp_method=3): AWQ/GPTQ 4-bit weights with per-group
 zero points and scales, packed by convert_weight_packed_scale_zp; activations quantized per
-row inside the op as for INT8 (REFERENCE.md §6.3 and §7.4, docs/FORMATS.md).
+row inside the op as for INT8 (docs/MATH.md, INT4 W4A8; docs/FORMATS.md, int4 weights).
 
 Packing byte for byte against reference.pack_int4 and against the layout text itself;
 the op against reference.py on every tier, bit for bit against the reference in the
@@ -21,14 +21,17 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     Int4Weights,
     assert_int4_close,
-    int4_exact_reference,
+    assert_matches_exact,
+    assert_tiers_agree,
     isa_params,
     make_bias,
     make_routing,
+    needs_two_tiers,
     ref_int4,
     run_fused_int4,
     use_isa,
 )
+from exact_reference import int4_exact_reference
 
 # ---------------------------------------------------------------------------------------
 # 1. Packing
@@ -56,8 +59,8 @@ def test_pack_matches_reference(fmt, oc, ic, group, lead, scales_dtype):
 
 
 def test_pack_layout_by_hand():
-    """The layout text of REFERENCE.md §7.4, element by element, independent of
-    reference.pack_int4: one output tile, bk = 32 (group 32), K = 64."""
+    """The layout text of docs/FORMATS.md (int4 weights), element by element,
+    independent of reference.pack_int4: one output tile, bk = 32 (group 32), K = 64."""
     oc, ic, group = 32, 64, 32
     nib = torch.randint(0, 16, (oc, ic), dtype=torch.int32)
     zero = torch.randint(0, 16, (oc, ic // group), dtype=torch.int32)
@@ -174,21 +177,20 @@ def test_matches_exact_reference_bitwise(case):
     x, w, tw, ti = make_case(*case[:6], DTYPES[case[6]], case[7])
     out = run_fused_int4(x, w, tw, ti)
     expected = int4_exact_reference(x, w, tw, ti)
-    diff = (out.float() - expected.float()).abs()
-    assert torch.equal(out, expected), (
-        f"{(diff > 0).sum().item()} of {diff.numel()} elements differ (max {diff.max().item()})")
+    assert_matches_exact(out, expected, INT4)
 
 
-@pytest.mark.skipif(len(SUPPORTED_ISAS) < 2, reason="only one tier runs on this CPU")
+@needs_two_tiers
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tiers_bit_identical(case):
+    """Every tier equals the first tier of its numerics class bit for bit, and that one
+    the worst tier within CROSS_CLASS_TOLERANCE."""
     x, w, tw, ti = make_case(*case[:6], DTYPES[case[6]], case[7])
     outs = {}
     for tier in SUPPORTED_ISAS:
         with use_isa(tier):
             outs[tier] = run_fused_int4(x, w, tw, ti)
-    for tier, out in outs.items():
-        assert torch.equal(out, outs["scalar"]), f"{tier} differs from scalar"
+    assert_tiers_agree(outs, INT4)
 
 
 def test_decode_and_prefill_paths_agree(isa):
@@ -277,7 +279,8 @@ def test_minus_one_ids(isa, ids_dtype):
 @pytest.mark.parametrize("wdt", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
                          ids=["f32", "f64", "bf16", "f16"])
 def test_topk_weights_dtypes(isa, wdt):
-    """Any float topk_weights (SGLang's INT4 path requires float32, REFERENCE.md §3.3a)."""
+    """Any float topk_weights (SGLang's INT4 path requires float32; docs/SGLANG.md, inputs
+    SGLang does not support)."""
     x, w, tw, ti = make_case(7, 8, 2, 32, 128, 64, torch.bfloat16, "gptq")
     tw = tw.to(wdt)
     assert_int4_close(run_fused_int4(x, w, tw, ti), ref_int4(x, w, tw.float(), ti))
@@ -324,12 +327,12 @@ def test_bias_and_swiglu(isa, act):
         kw.update(alpha=1.702, limit=7.0)
     out = run_fused_int4(x, w, tw, ti, **kw)
     assert_int4_close(out, ref_int4(x, w, tw, ti, **kw))
-    assert torch.equal(out, int4_exact_reference(x, w, tw, ti, **kw))
+    assert_matches_exact(out, int4_exact_reference(x, w, tw, ti, **kw), INT4)
     assert not torch.equal(out, run_fused_int4(x, w, tw, ti))
 
 
 def test_sglang_int4_moe_case():
-    """SGLang's test_int4_moe data (REFERENCE.md §12): AWQ qweight = randint(-127, 128)
+    """The data of SGLang's own CPU test test_int4_moe: AWQ qweight = randint(-127, 128)
     words, qzeros = randint(0, 10), scales rand*1e-3 bf16, a = rand/sqrt(K), group 128,
     M in {1, 6}, N=512, K=256, E=8, topk=4; compared with dequantized weights."""
     E, topk, N, K, group = 8, 4, 512, 256, 128

@@ -1,6 +1,7 @@
 """INT8 W8A8 (fused_experts_cpu moe_comp_method=1, shared_expert_cpu use_int8_w8a8=True):
 int8 weights with per output channel fp32 scales, activations quantized per row inside the
-op (REFERENCE.md §6.1, DESIGN.md §3, docs/FORMATS.md).
+op (docs/MATH.md, INT8 W8A8; docs/SGLANG.md, round half to even on every path;
+docs/FORMATS.md, int8 weights).
 
 Against reference.py (tolerance TOL_INT8, reasoning in cpumoe_testing.py) on every tier,
 bit for bit against the reference with the kernels' exp (int8_exact_reference), bit for
@@ -22,23 +23,25 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     apply_variant,
     assert_int8_close,
+    assert_matches_exact,
+    assert_tiers_agree,
     call_fused,
-    int8_exact_reference,
     isa_params,
-    kernel_activations,
     make_bias,
-    make_int8_hidden,
     make_int8_weights,
+    make_quantized_hidden,
     make_routing,
+    needs_two_tiers,
     pack,
     raises,
     run_fused_int8,
     use_isa,
 )
+from exact_reference import int8_exact_reference, kernel_activations
 
 
 def make_case(M, E, topk, N, K, dtype, style="quant", **routing):
-    x = make_int8_hidden(M, K, dtype, style)
+    x = make_quantized_hidden(M, K, dtype, style)
     w1, s1, w2, s2 = make_int8_weights(E, N, K, style)
     tw, ti = make_routing(M, E, topk, **routing)
     return x, w1, s1, w2, s2, tw, ti
@@ -187,19 +190,19 @@ def test_matches_exact_reference_bitwise(isa, case):
     (per-row quantization with one fp32 division and round-half-even, (acc * row_scale) *
     channel_scale, 16-bit intermediate, re-quantization, fp32 topk weight and sum) is
     pinned, for bf16 and fp16, biases and swiglu. If numeric.h's exp changes, update
-    kernel_expf in cpumoe_testing.py."""
+    kernel_expf in exact_reference.py."""
     args, kw = exact_case(case)
     out = run_fused_int8(*args, is_vnni=True, **kw)
     expected = int8_exact_reference(*args, **kw)
-    diff = (out.float() - expected.float()).abs()
-    assert torch.equal(out, expected), (
-        f"{(diff > 0).sum().item()} of {diff.numel()} elements differ (max {diff.max().item()})")
+    assert_matches_exact(out, expected, INT8)
     assert_int8_close(out, ref_int8(*args, **kw))
 
 
-@pytest.mark.skipif(len(SUPPORTED_ISAS) < 2, reason="only one tier runs on this CPU")
+@needs_two_tiers
 @pytest.mark.parametrize("case", EXACT_CASES, ids=exact_id)
 def test_tiers_bit_identical(case):
+    """Every tier equals the first tier of its numerics class bit for bit, and that one
+    the worst tier within CROSS_CLASS_TOLERANCE."""
     args, kw = exact_case(case)
     x, w1, s1, w2, s2, tw, ti = args
     pw1, pw2 = pack(w1), pack(w2)
@@ -208,12 +211,7 @@ def test_tiers_bit_identical(case):
         with use_isa(tier):
             outs[tier] = cpumoe.fused_experts(x, pw1, pw2, tw, ti, moe_comp_method=INT8,
                                               w1_scale=s1, w2_scale=s2, **kw)
-    for tier, out in outs.items():
-        diff = (out.float() - outs["scalar"].float()).abs()
-        assert torch.equal(out, outs["scalar"]), (
-            f"{tier} differs from scalar in {(diff > 0).sum().item()} of {diff.numel()} "
-            f"elements (max {diff.max().item()})")
-    assert_int8_close(outs["scalar"], ref_int8(*args, **kw))
+    assert_int8_close(assert_tiers_agree(outs, INT8), ref_int8(*args, **kw))
 
 
 def test_thread_count_independent(isa):
@@ -319,7 +317,7 @@ def test_extreme_values_exact(isa):
     tw, ti = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
     out = run_fused_int8(x, w1, s1, w2, s2, tw, ti, is_vnni=True)
     expected = int8_exact_reference(x, w1, s1, w2, s2, tw, ti)
-    assert torch.equal(out, expected)
+    assert_matches_exact(out, expected, INT8)
     # the integer sums really reach the extremes: row 0, gate channel 0 = 127*127*K
     q, s = reference.quantize_rows_int8(x.float())
     assert (q.double() @ w1[0].double().t()).abs().max() >= 127 * 127 * K
@@ -359,7 +357,7 @@ def test_minus_one_ids(isa, ids_dtype):
     assert (ti == -1).any(dim=1).sum() > 5
     assert torch.equal(out[3], torch.zeros(K, dtype=x.dtype))
     tw0 = tw.masked_fill(ti == -1, 0.0)
-    assert torch.equal(out, int8_exact_reference(x, w1, s1, w2, s2, tw0, ti))
+    assert_matches_exact(out, int8_exact_reference(x, w1, s1, w2, s2, tw0, ti), INT8)
     assert_int8_close(out, ref_int8(x, w1, s1, w2, s2, tw0, ti))
     # dropping a slot equals a zero weight on a real expert (up to the reference's order)
     assert_int8_close(out, ref_int8(x, w1, s1, w2, s2, tw0, ti.clamp(min=0)))
@@ -533,7 +531,8 @@ def test_shared_matches_reference(isa, M, dt, residual, vnni):
     assert torch.equal(x, x_before), "inplace=False modified hidden_states"
     assert_int8_close(out, ref_shared(x, w1, s1, w2, s2, fused, factor))
     with kernel_activations():  # bit for bit with the kernels' exp
-        assert torch.equal(out, ref_shared(x, w1, s1, w2, s2, fused, factor))
+        exact = ref_shared(x, w1, s1, w2, s2, fused, factor)
+    assert_matches_exact(out, exact, INT8)
     if residual:  # the routed term is really added, scaled by 16
         plain = ref_shared(x, w1, s1, w2, s2, None, None)
         assert not torch.allclose(out.float(), plain.float(), atol=0.1, rtol=0.1)
@@ -930,7 +929,7 @@ def test_trap_rows_through_the_op(isa, dt):
     M, K, N, E = x.shape[0], x.shape[1], 32, 2
     _, w1, s1, w2, s2, tw, ti = make_case(M, E, 1, N, K, DTYPES[dt])
     out = run_fused_int8(x, w1, s1, w2, s2, tw, ti, is_vnni=True)
-    assert torch.equal(out, int8_exact_reference(x, w1, s1, w2, s2, tw, ti))
+    assert_matches_exact(out, int8_exact_reference(x, w1, s1, w2, s2, tw, ti), INT8)
 
 
 # quant.quantize_int8_per_channel

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import cpumoe
+import cpumoe_testing
 from cpumoe_testing import BEST_ISA, BUILT_ISAS, SUPPORTED_ISAS, subprocess_env, use_isa
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,12 +30,32 @@ def test_built_isas_and_best():
     assert set(BUILT_ISAS) >= {"scalar", "avx2", "avx512"}
     assert BEST_ISA in BUILT_ISAS
     feats = set(cpumoe.cpu_features())
-    if {"avx2", "fma", "f16c"} <= feats:  # the avx2 tier's requirements (DESIGN.md §3)
+    # the avx2 tier's requirements (docs/ARCHITECTURE.md, tier in the file name)
+    if {"avx2", "fma", "f16c"} <= feats:
         assert "avx2" in SUPPORTED_ISAS
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"} <= feats:
         assert "avx512" in SUPPORTED_ISAS
     if "avx2" not in feats:
         assert BEST_ISA == "scalar"
+
+
+def test_skip_reason_names_the_tier_and_why(monkeypatch):
+    """A test that needs a tier this CPU cannot run skips, and the reason names that tier,
+    the CPU's best tier and the features cpuid found (here on a pretend CPU whose best
+    tier is the worst built one)."""
+    if len(BUILT_ISAS) < 2:
+        pytest.skip(f"this build has only the {BUILT_ISAS[0]} tier")
+    monkeypatch.setattr(cpumoe_testing, "BEST_ISA", BUILT_ISAS[0])
+    top = BUILT_ISAS[-1]
+    assert not cpumoe_testing.tier_supported(top)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        cpumoe_testing.skip_unless_supported(top)
+    reason = str(skipped.value)
+    assert f"cannot run the {top} tier" in reason, reason
+    assert f"best tier is {BUILT_ISAS[0]}" in reason, reason
+    assert "CPU features found:" in reason, reason
+    [param] = cpumoe_testing.isa_params([top])
+    assert [m.kwargs["reason"] for m in param.marks] == [cpumoe_testing.unsupported_reason(top)]
 
 
 def test_set_isa_roundtrip():

@@ -1,5 +1,6 @@
 """convert_weight_packed: VNNI-2 layout of 16-bit weights, byte-identical to SGLang's
-(REFERENCE.md §7.1; the layout of docs/FORMATS.md), its small-OC special case and errors."""
+(docs/FORMATS.md, 16-bit weights; docs/SGLANG.md, same packed layouts), its small-OC
+special case and errors."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_matches_reference_packer(dt, shape):
 
 
 def formula_pack(w: torch.Tensor) -> torch.Tensor:
-    """The layout of docs/FORMATS.md / REFERENCE.md §7.1, element by element:
+    """The layout of docs/FORMATS.md (16-bit weights: VNNI-2), element by element:
     block b of expert e holds rows 32b .. 32b+nsz-1 (nsz = 32, or 16 for a last half
     block) at offset e*OC*IC + 32*b*IC, and inside it
     dst[(k/2)*2*nsz + 2*n + (k%2)] = W[32b+n][k]."""
@@ -152,8 +153,9 @@ def test_quantized_not_implemented(dtype):
                          ids=lambda s: "x".join(map(str, s)))
 def test_fp8_vnni2_byte_layout(shape):
     """fp8 (e4m3fn) weights pack into the VNNI-2 layout of 16-bit weights with 1-byte
-    elements (REFERENCE.md §7.1): same shape and dtype, the uint8 view byte-identical to
-    pack_vnni2 of the uint8 view, every byte (NaN codes included) moved untouched.
+    elements (docs/FORMATS.md, fp8 weights): same shape and dtype, the uint8 view
+    byte-identical to pack_vnni2 of the uint8 view, every byte (NaN codes included) moved
+    untouched.
     More in tests/test_fp8.py."""
     codes = torch.randint(0, 256, shape, dtype=torch.uint8)
     w = codes.view(torch.float8_e4m3fn)
@@ -164,9 +166,10 @@ def test_fp8_vnni2_byte_layout(shape):
 
 
 def int8_formula_pack(w: torch.Tensor) -> torch.Tensor:
-    """REFERENCE.md §7.1, int8: blocks of 32 rows; in a block
-    dst[(k/4)*32*4 + n*4 + (k%4)] = W[n][k], then int32 comp[n] = 128 * sum_k W[n][k]
-    at byte 32*IC; a block is 32*(IC+4) bytes; shape [..., OC, IC+4]."""
+    """docs/FORMATS.md, int8 weights (VNNI-4 plus compensation): blocks of 32 rows;
+    in a block dst[(k/4)*32*4 + n*4 + (k%4)] = W[n][k], then int32
+    comp[n] = 128 * sum_k W[n][k] at byte 32*IC; a block is 32*(IC+4) bytes;
+    shape [..., OC, IC+4]."""
     src = w.reshape(-1, *w.shape[-2:])
     E, OC, IC = src.shape
     out = torch.zeros(E, OC * (IC + 4), dtype=torch.int8)
@@ -185,7 +188,7 @@ def int8_formula_pack(w: torch.Tensor) -> torch.Tensor:
                          ids=lambda s: "x".join(map(str, s)))
 def test_int8_vnni4_layout(shape):
     """int8 packing (INT8 W8A8 weights), if this build has it: byte-identical to the
-    formula of REFERENCE.md §7.1."""
+    formula of docs/FORMATS.md (int8 weights)."""
     w = torch.randint(-128, 128, shape, dtype=torch.int8)
     try:
         packed = cpumoe.convert_weight_packed(w)

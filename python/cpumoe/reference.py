@@ -128,7 +128,7 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block_n: int,
     exactly (torch's conversion; zero and subnormals included) times its block's scale
     ``scale [..., ceil(OC/block_n), ceil(IC/block_k)]`` (multiplied, DeepSeek's
     ``weight_scale_inv``), rounded once to fp32. (The kernels apply the scale to each K
-    block's fp32 sum instead of to each weight; tests/cpumoe_testing.py fp8_block_linear
+    block's fp32 sum instead of to each weight; tests/exact_reference.py fp8_block_linear
     is that exact order.)"""
     oc, ic = w.shape[-2:]
     s = scale.float().repeat_interleave(block_n, -2)[..., :oc, :]

@@ -1,0 +1,218 @@
+"""Bit-exact models of the kernels' arithmetic, in torch, for the cpumoe tests.
+
+python/cpumoe/reference.py is the specification: the math and its rounding points, with
+torch's exp and a per-expert sum. A tier of the numerics class ``EXACT_NUMERICS_CLASS``
+computes the same math in one fixed fp32 operation order; the helpers here repeat that
+order step for step, so tests of that class compare with ``torch.equal`` instead of a
+tolerance. They live beside the tests, not in reference.py, because the order is one
+class's implementation choice: a tier of another class may differ within the scheme's
+tolerance (CROSS_CLASS_TOLERANCE in cpumoe_testing.py) and still meet the spec.
+
+* ``kernel_expf`` / ``kernel_silu_and_mul`` / ``kernel_swiglu_clamp`` and the
+  ``kernel_activations`` context: the activations of csrc/kernels/common/numeric.h;
+* ``slot_order_reference``: the sum over the topk slots in slot order;
+* ``int8_exact_reference`` / ``int4_exact_reference``: reference.py's integer-GEMM experts
+  (already in the kernels' order) with the two above;
+* ``fma_chain_matmul`` / ``fp8_block_linear`` / ``fp8_expert_exact`` /
+  ``fp8_exact_reference`` / ``fp8_shared_exact_reference``: FP8 W8A16 in the kernels'
+  order (each K block's FMA chain, folded in with its block scale);
+* ``e4m3_value``: an e4m3fn byte's value from the format's definition.
+
+Every fused multiply-add is ``reference.fmaf`` (C's fmaf, exactly rounded once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from cpumoe import reference
+
+# The numerics class whose operation order these helpers repeat (cpumoe.numerics_class).
+EXACT_NUMERICS_CLASS = "fp32-chain"
+
+
+def _f32(v: float) -> torch.Tensor:
+    """A Python float as an fp32 scalar, so that torch computes each step in fp32."""
+    return torch.tensor(v, dtype=torch.float32)
+
+
+# cm_expf of numeric.h ("the operation sequence is the contract"). Checked: with
+# reference.fmaf, kernel_expf and the silu built on it equal numeric.h compiled with gcc
+# (-ffp-contract=off) bit for bit on 5M inputs over [-100, 100]; torch's exp and F.silu
+# differ from it on about 0.4% of the inputs.
+_EXP_MAGIC = 12582912.0  # 1.5 * 2^23: adding it rounds to an integer (round half to even)
+_EXP_POLY = (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+
+def kernel_expf(x: torch.Tensor) -> torch.Tensor:
+    """cm_expf: clamp to [-87, 88], Cody-Waite reduction by ln2, degree-6 polynomial."""
+    x = x.float().clamp(-87.0, 88.0)
+    t = x * _f32(1.44269504088896341) + _f32(_EXP_MAGIC)
+    n = t - _f32(_EXP_MAGIC)
+    r = reference.fmaf(n, _f32(-0.693359375), x)
+    r = reference.fmaf(n, _f32(2.12194440e-4), r)
+    p = torch.full_like(x, 1.9875691500e-4)
+    for c in _EXP_POLY:
+        p = reference.fmaf(p, r, _f32(c))
+    p = reference.fmaf(p, r * r, r) + _f32(1.0)
+    return p * torch.pow(_f32(2.0), n)
+
+
+def kernel_silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """cm_siluf on the gate half times the up half: (gate / (1 + exp(-gate))) * up."""
+    n = h.shape[-1] // 2
+    g, u = h[..., :n].float(), h[..., n:].float()
+    return (g / (_f32(1.0) + kernel_expf(-g))) * u
+
+
+def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """cm_swiglu_clampf on interleaved (gate, up) columns."""
+    lim = _f32(limit)
+    g = torch.minimum(h[..., 0::2].float(), lim)
+    u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
+    s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
+    return (g * s) * (u + _f32(1.0))
+
+
+@contextlib.contextmanager
+def kernel_activations():
+    """Within the block, reference.py computes its activations with the kernels' exp."""
+    saved = reference.silu_and_mul, reference.swiglu_clamp
+    reference.silu_and_mul, reference.swiglu_clamp = kernel_silu_and_mul, kernel_swiglu_clamp
+    try:
+        yield
+    finally:
+        reference.silu_and_mul, reference.swiglu_clamp = saved
+
+
+def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:
+    """A quantized scheme's reference with the two remaining differences to the kernels
+    removed: the kernels' exp (kernel_activations) and the sum over the topk slots in slot
+    order (the kernels' order; reference.py sums per expert). expert_fn(rows, e) returns
+    one expert's fp32 output for the token rows x[rows] (before the topk weight)."""
+    M, K = x.shape
+    ids = ti.long()
+    g = tw.float()
+    ys = torch.zeros(M, ids.shape[1], K)
+    with kernel_activations():
+        for e in ids.unique().tolist():
+            if e < 0:
+                continue
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            ys[rows, slots] = expert_fn(rows, e) * g[rows, slots, None]
+    acc = torch.zeros(M, K)
+    for j in range(ids.shape[1]):
+        acc = acc + ys[:, j]
+    return acc.to(x.dtype)
+
+
+def _expert_bias(bias, e):
+    return None if bias is None else bias[e]
+
+
+def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
+                         alpha=None, limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=1) in the kernels' exact order
+    (slot_order_reference). The INT8 kernels must equal this bit for bit (integer GEMMs,
+    every fp32 step in order)."""
+
+    def expert(rows, e):
+        return reference.expert_mlp_int8(x[rows], w1[e], s1[e], w2[e], s2[e],
+                                         _expert_bias(w1_bias, e), _expert_bias(w2_bias, e),
+                                         alpha, limit)
+
+    return slot_order_reference(x, tw, ti, expert)
+
+
+def int4_exact_reference(x, w, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
+                         limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=3) in the kernels' exact order
+    (slot_order_reference) for the unpacked weights ``w.u1`` / ``w.u2`` of a
+    cpumoe_testing.Int4Weights: the INT4 kernels must equal it bit for bit."""
+    (w1, z1, s1), (w2, z2, s2) = w.u1, w.u2
+
+    def expert(rows, e):
+        return reference.expert_mlp_int4(x[rows], w1[e], z1[e], s1[e], w2[e], z2[e], s2[e],
+                                         _expert_bias(w1_bias, e), _expert_bias(w2_bias, e),
+                                         alpha, limit)
+
+    return slot_order_reference(x, tw, ti, expert)
+
+
+def e4m3_value(code: int) -> float:
+    """The e4m3fn value of a byte, from the format's definition (independent of torch):
+    s.eeee.mmm, bias 7; e = 0: subnormal (m/8) * 2^-6; 0x7f/0xff: NaN; no infinities."""
+    s, e, m = code >> 7, (code >> 3) & 0xF, code & 7
+    if e == 0xF and m == 7:
+        return float("nan")
+    v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -v if s else v
+
+
+def fma_chain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [T, R] @ w[O, R].T as the kernels compute it: for each output element one fp32
+    FMA chain acc = fmaf(a[t, r], w[o, r], acc) over r = 0, 1, ..., starting from 0."""
+    a, w = a.float(), w.float()
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
+    for r in range(a.shape[1]):
+        acc = reference.fmaf(a[:, r:r + 1], w[None, :, r], acc)
+    return acc
+
+
+def fp8_block_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """a [T, IC] @ the FP8 weight w [OC, IC] (float8_e4m3fn) with block scales, as the kernels
+    compute it (common/ukernels.h): per K block, P = one FMA chain over the block's k of
+    a * (value * 2^-8) from 0, then C = fmaf(P, scale, C), blocks in order; finally C * 256."""
+    bn, bk = block
+    oc, ic = w.shape
+    d = w.float() * 2.0 ** -8  # exact
+    s = scale.float().repeat_interleave(bn, 0)[:oc]  # [OC, K blocks]
+    c = torch.zeros(a.shape[0], oc, dtype=torch.float32)
+    for kb, k0 in enumerate(range(0, ic, bk)):
+        p = fma_chain_matmul(a[:, k0:k0 + bk], d[:, k0:k0 + bk])
+        c = reference.fmaf(p, s[None, :, kb], c)
+    return c * 256.0
+
+
+def fp8_expert_exact(x, w1, s1, w2, s2, block, b1=None, b2=None, alpha=None,
+                     limit=None) -> torch.Tensor:
+    """One FP8 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
+    the topk weight): block-scaled FMA chains (fp8_block_linear), + bias, the kernels'
+    activation, rounding to x's dtype, block-scaled FMA chains, + bias."""
+    h = fp8_block_linear(x, w1, s1, block)
+    if b1 is not None:
+        h = h + b1.float()
+    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
+    a = a.to(x.dtype).float()
+    y = fp8_block_linear(a, w2, s2, block)
+    if b2 is not None:
+        y = y + b2.float()
+    return y
+
+
+def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=None,
+                        alpha=None, limit=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=2) in the kernels' exact operation
+    order (fp8_expert_exact, slot_order_reference). The FP8 kernels must equal this bit for
+    bit."""
+
+    def expert(rows, e):
+        return fp8_expert_exact(x[rows], w1[e], s1[e], w2[e], s2[e], block,
+                                _expert_bias(w1_bias, e), _expert_bias(w2_bias, e), alpha,
+                                limit)
+
+    return slot_order_reference(x, tw, ti, expert)
+
+
+def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
+                               factor=None) -> torch.Tensor:
+    """shared_expert_cpu(use_fp8_w8a16=True) in the kernels' order: the expert as above
+    (weight 1), then + factor * fused_experts_out in fp32 (product rounded, then sum)."""
+    y = fp8_expert_exact(x, w1, s1, w2, s2, block)
+    acc = torch.zeros_like(y) + y
+    if fused is not None:
+        acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
+    return acc.to(x.dtype)
