@@ -248,6 +248,32 @@ def expert_mlp_int4(x, w1, z1, s1, w2, z2, s2, b1=None, b2=None, alpha=None, lim
                                  limit)
 
 
+def _expert_unquant(x, e, w, b1, b2, alpha, limit):
+    return expert_mlp(x, w["w1"][e], w["w2"][e], b1, b2, alpha, limit)
+
+
+def _expert_int8(x, e, w, b1, b2, alpha, limit):
+    return expert_mlp_int8(x, w["w1"][e], w["w1_scale"][e], w["w2"][e], w["w2_scale"][e], b1,
+                           b2, alpha, limit)
+
+
+def _expert_fp8(x, e, w, b1, b2, alpha, limit):
+    """fp32 GEMMs on the dequantized weights (decoding e4m3 is exact)."""
+    w1 = dequantize_fp8_blocks(w["w1"][e], w["w1_scale"][e], *w["block_size"])
+    w2 = dequantize_fp8_blocks(w["w2"][e], w["w2_scale"][e], *w["block_size"])
+    return expert_mlp(x, w1, w2, b1, b2, alpha, limit)
+
+
+def _expert_int4(x, e, w, b1, b2, alpha, limit):
+    return expert_mlp_int4(x, w["w1"][e], w["w1_zero"][e], w["w1_scale"][e], w["w2"][e],
+                           w["w2_zero"][e], w["w2_scale"][e], b1, b2, alpha, limit)
+
+
+# moe_comp_method -> one expert's MLP on the rows routed to it: the only place the
+# reference tells schemes apart.
+_SCHEME_EXPERTS = {0: _expert_unquant, 1: _expert_int8, 2: _expert_fp8, 3: _expert_int4}
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -275,10 +301,11 @@ def fused_experts(
     and topk_ids [M, topk]; an id of -1 skips its slot.
     Returns [M, K] in the dtype of hidden_states.
     """
-    if moe_comp_method == 2:  # FP8: fp32 GEMMs on the dequantized weights
-        w1 = dequantize_fp8_blocks(w1, w1_scale, *block_size)
-        w2 = dequantize_fp8_blocks(w2, w2_scale, *block_size)
-        moe_comp_method = 0
+    if moe_comp_method not in _SCHEME_EXPERTS:
+        raise ValueError(f"unknown moe_comp_method {moe_comp_method}")
+    expert = _SCHEME_EXPERTS[moe_comp_method]
+    w = dict(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale, w1_zero=w1_zero,
+             w2_zero=w2_zero, block_size=block_size)
     M, K = hidden_states.shape
     out = torch.zeros(M, K, dtype=torch.float32)
     ids = topk_ids.long()
@@ -289,14 +316,7 @@ def fused_experts(
         rows, slots = (ids == e).nonzero(as_tuple=True)
         b1 = None if w1_bias is None else w1_bias[e]
         b2 = None if w2_bias is None else w2_bias[e]
-        if moe_comp_method == 3:
-            y = expert_mlp_int4(hidden_states[rows], w1[e], w1_zero[e], w1_scale[e], w2[e],
-                                w2_zero[e], w2_scale[e], b1, b2, alpha, limit)
-        elif moe_comp_method == 1:
-            y = expert_mlp_int8(hidden_states[rows], w1[e], w1_scale[e], w2[e], w2_scale[e],
-                                b1, b2, alpha, limit)
-        else:
-            y = expert_mlp(hidden_states[rows], w1[e], w2[e], b1, b2, alpha, limit)
+        y = expert(hidden_states[rows], e, w, b1, b2, alpha, limit)
         contrib = torch.zeros(M, ids.shape[1], K, dtype=torch.float32)
         contrib[rows, slots] = y * weights[rows, slots, None]
         out += contrib.sum(1)
