@@ -20,9 +20,24 @@
  *   sizes          sizes whose products overflow int64/size_t are rejected.
  *   ISA, probes    tier names, cap, reason and feature strings; probe checksums and counts.
  *
- * Prints one summary line; exits 1 on any failure. Optional arguments: the name of one
- * section to run (packers, fused, errors, sizes, isa, probes); -v prints each case's error.
- * Build and run with sanitizers: python tools/build_c_tests.py
+ * Tiers: the sections that name a tier (fused, probes) run once per tier under test; the
+ * others run with the best tier under test active. A check counts for the tier under test
+ * when it is made, and each tier under test gets one line, `tier <name> (native|emulated):
+ * <N> checks, <F> failed`, before the summary line. Which tiers are under test depends on
+ * the build:
+ *   python tools/build_c_tests.py            every tier this CPU runs, natively;
+ *   python tools/build_c_tests.py --emulate  the vector tiers this CPU lacks, their kernel
+ *       sources compiled without their ISA flags through SIMDe (tests/c/emulate/), and this
+ *       file with CPUMOE_EMULATE_TIERS: the core then supports every built tier and
+ *       cpumoe_isa_native() tells which the CPU has. --emulate-all puts every vector tier
+ *       under test (all of them run SIMDe's code in this build, so all say "emulated"); the
+ *       scalar tier's bits, which every tier must reproduce, come from a run of it that
+ *       counts for no tier. A CPU that lacks no tier has nothing to emulate: the driver says
+ *       so and passes.
+ *
+ * Exits 1 on any failure. Optional arguments: the name of one section to run (packers,
+ * fused, errors, sizes, isa, probes); -v prints each case's error; --emulate-all (emulating
+ * build only).
  */
 #include <math.h>
 #include <pthread.h>
@@ -51,9 +66,23 @@
 
 static int g_checks, g_failures, g_verbose;
 
+#ifdef CPUMOE_EMULATE_TIERS
+static const int g_emulating_build = 1; /* vector tiers compiled through SIMDe */
+#else
+static const int g_emulating_build = 0;
+#endif
+
+/* Tiers under test, the one under test now (g_tier: every check counts for it), and the one
+ * active outside the per-tier loops (g_home, the best under test). */
+static int g_tested[CPUMOE_ISA_COUNT];
+static cpumoe_isa g_tier, g_home;
+static int g_tier_checks[CPUMOE_ISA_COUNT], g_tier_failures[CPUMOE_ISA_COUNT];
+
 static void check_at(int line, int ok, const char *fmt, ...) {
   g_checks++;
+  g_tier_checks[g_tier]++;
   if (ok) return;
+  g_tier_failures[g_tier]++;
   if (++g_failures > 40) return; /* keep the log readable; the count stays exact */
   va_list args;
   va_start(args, fmt);
@@ -63,6 +92,12 @@ static void check_at(int line, int ok, const char *fmt, ...) {
   va_end(args);
 }
 #define CHECK(cond, ...) check_at(__LINE__, (cond) != 0, __VA_ARGS__)
+
+/* Puts `isa` under test: active, and the tier its checks count for. */
+static void use_tier(cpumoe_isa isa) {
+  g_tier = isa;
+  cpumoe_set_isa_cap(isa);
+}
 
 static void *xmalloc(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
@@ -891,15 +926,34 @@ static double tolerance(const moe_case *c) {
   return c->scheme == INT8 || c->scheme == INT4 ? 4 * ulp : 2 * ulp;
 }
 
+/* The scalar tier's bits for the case, made without checks (so that they count for no tier)
+ * when scalar is not under test; its status is checked with the first comparison. */
+static cpumoe_status scalar_reference(moe_data *d, uint16_t *bits) {
+  cpumoe_set_isa_cap(CPUMOE_ISA_SCALAR);
+  const size_t bytes = cpumoe_fused_experts_workspace_size(&d->p);
+  char *ws = xmalloc(bytes);
+  if (d->out == d->x) memcpy(d->x, d->x_saved, 2 * (size_t)(d->c->M * d->c->K));
+  const cpumoe_status st = cpumoe_fused_experts(&d->p, ws, bytes, NULL);
+  free(ws);
+  memcpy(bits, d->out, 2 * (size_t)(d->c->M * d->c->K));
+  cpumoe_set_isa_cap(g_tier);
+  return st;
+}
+
 static void test_case(const moe_case *c) {
   moe_data d;
   make_data(c, &d);
   const size_t out_bytes = 2 * (size_t)(c->M * c->K);
   uint16_t *first = NULL; /* scalar tier's output: every tier must give these bits */
-  const cpumoe_isa best = cpumoe_best_supported_isa();
-  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)best; isa++) {
-    cpumoe_set_isa_cap((cpumoe_isa)isa);
+  cpumoe_status first_status = CPUMOE_OK;
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    use_tier((cpumoe_isa)isa);
     const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    if (!first && isa != CPUMOE_ISA_SCALAR) {
+      first = xmalloc(out_bytes);
+      first_status = scalar_reference(&d, first);
+    }
     CHECK(cpumoe_active_isa() == (cpumoe_isa)isa, "cap %s not applied", tier);
     cpumoe_status st = run_op(&d, NULL, 0);
     CHECK(st == CPUMOE_OK, "%s [%s]: status %d (%s)", c->name, tier, (int)st, cpumoe_last_error());
@@ -913,7 +967,9 @@ static void test_case(const moe_case *c) {
       first = xmalloc(out_bytes);
       memcpy(first, d.out, out_bytes);
     } else {
-      CHECK(memcmp(first, d.out, out_bytes) == 0, "%s: tier %s differs from scalar", c->name, tier);
+      CHECK(first_status == CPUMOE_OK && memcmp(first, d.out, out_bytes) == 0,
+            "%s: tier %s differs from scalar (scalar's status %d)", c->name, tier,
+            (int)first_status);
     }
     /* several threads, unaligned workspace: the same bits */
     g_runner_stats = (runner_stats){0, 0};
@@ -922,7 +978,7 @@ static void test_case(const moe_case *c) {
           "%s [%s]: threaded run differs from serial (status %d)", c->name, tier, (int)st);
     CHECK(c->M * c->topk < 2 || g_runner_stats.calls > 0, "%s: the runner was never used", c->name);
   }
-  cpumoe_set_isa_cap(best);
+  use_tier(g_home);
   free(first);
   free_data(&d);
 }
@@ -1151,6 +1207,14 @@ static void test_sizes(void) {
 
 /* ---- ISA queries -------------------------------------------------------------------- */
 
+/* `name` is one of the space-separated words of `features` */
+static int has_feature(const char *features, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = features; (p = strstr(p, name)) != NULL; p += n)
+    if ((p == features || p[-1] == ' ') && (p[n] == ' ' || p[n] == '\0')) return 1;
+  return 0;
+}
+
 static void test_isa(void) {
   const cpumoe_isa best = cpumoe_best_supported_isa();
   CHECK(best >= CPUMOE_ISA_SCALAR && best < CPUMOE_ISA_COUNT, "best tier %d", (int)best);
@@ -1169,13 +1233,28 @@ static void test_isa(void) {
             cpumoe_isa_from_name(NULL) == CPUMOE_ISA_COUNT,
         "unknown tier names must give CPUMOE_ISA_COUNT");
 
+  /* native tiers: exactly those whose features the CPU and OS have; supported ones: the
+   * native ones, or every tier in the emulating build */
   const char *features = cpumoe_cpu_features();
   CHECK(features != NULL, "cpu features NULL");
   if (features) {
-    CHECK(best < CPUMOE_ISA_AVX2 || (strstr(features, "avx2") && strstr(features, "fma")),
-          "best tier avx2+ but features \"%s\"", features);
-    CHECK(best < CPUMOE_ISA_AVX512 || strstr(features, "avx512vnni"),
-          "best tier avx512 but features \"%s\"", features);
+    const int avx2 = has_feature(features, "avx") && has_feature(features, "avx2") &&
+                     has_feature(features, "fma") && has_feature(features, "f16c");
+    const int avx512 = avx2 && has_feature(features, "avx512f") &&
+                       has_feature(features, "avx512dq") && has_feature(features, "avx512bw") &&
+                       has_feature(features, "avx512vl") && has_feature(features, "avx512vnni");
+    CHECK(cpumoe_isa_native(CPUMOE_ISA_SCALAR) == 1, "scalar tier not native");
+    CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX2) == avx2, "avx2 native %d, features \"%s\"",
+          cpumoe_isa_native(CPUMOE_ISA_AVX2), features);
+    CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX512) == avx512, "avx512 native %d, features \"%s\"",
+          cpumoe_isa_native(CPUMOE_ISA_AVX512), features);
+  }
+  CHECK(!cpumoe_isa_native(CPUMOE_ISA_COUNT) && !cpumoe_isa_native((cpumoe_isa)-1),
+        "an unknown tier is native");
+  for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
+    const int supported = g_emulating_build || cpumoe_isa_native((cpumoe_isa)i);
+    CHECK(supported == (i <= (int)best), "tier %d: best supported %d, native %d", i, (int)best,
+          cpumoe_isa_native((cpumoe_isa)i));
   }
 
   for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
@@ -1190,7 +1269,7 @@ static void test_isa(void) {
   CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, "3");
   CHECK_ERROR("cap -1", cpumoe_set_isa_cap((cpumoe_isa)-1), CPUMOE_EINVAL, "-1");
   CHECK(cpumoe_active_isa() == best, "a refused cap changed the active tier");
-  cpumoe_set_isa_cap(best);
+  use_tier(g_home);
 }
 
 /* ---- probes (tiny sizes) ---------------------------------------------------------------- */
@@ -1199,9 +1278,9 @@ static void test_probes(void) {
   enum { WORDS = 1024 };
   static uint64_t buffer[WORDS];
   for (int i = 0; i < WORDS; i++) buffer[i] = (uint64_t)i + 1;
-  const cpumoe_isa best = cpumoe_best_supported_isa();
-  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)best; isa++) {
-    cpumoe_set_isa_cap((cpumoe_isa)isa);
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    use_tier((cpumoe_isa)isa);
     const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
     /* each of n workers reads its share, rounded down to 512 bytes, `passes` times */
     for (int threaded = 0; threaded < 2; threaded++) {
@@ -1224,7 +1303,7 @@ static void test_probes(void) {
     const double long_run = cpumoe_probe_int8(12000000, NULL);
     CHECK(long_run == 12000 * int1, "probe_int8 [%s]: %.0f ops in 12e6 iterations", tier, long_run);
   }
-  cpumoe_set_isa_cap(best);
+  use_tier(g_home);
 }
 
 int main(int argc, char **argv) {
@@ -1238,12 +1317,35 @@ int main(int argc, char **argv) {
   };
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines survive a sanitizer abort */
   const char *only = NULL;
+  int emulate_all = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "-v") == 0)
       g_verbose = 1;
+    else if (strcmp(argv[i], "--emulate-all") == 0)
+      emulate_all = 1;
     else
       only = argv[i];
   }
+  if (emulate_all && !g_emulating_build) {
+    fprintf(stderr, "--emulate-all needs the emulating build (tools/build_c_tests.py --emulate)\n");
+    return 2;
+  }
+
+  /* the tiers under test: see the header */
+  int tested = 0;
+  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)cpumoe_best_supported_isa(); isa++) {
+    g_tested[isa] = !g_emulating_build || (isa != CPUMOE_ISA_SCALAR &&
+                                           (emulate_all || !cpumoe_isa_native((cpumoe_isa)isa)));
+    if (g_tested[isa]) g_home = (cpumoe_isa)isa, tested++;
+  }
+  if (!tested) {
+    printf("no tier to emulate: this CPU runs every tier natively (--emulate-all emulates them)\n");
+    printf("cpumoe C tests: 0 checks, 0 failed (tier %s, best %s)\n",
+           cpumoe_isa_name(cpumoe_active_isa()), cpumoe_isa_name(cpumoe_best_supported_isa()));
+    return 0;
+  }
+  use_tier(g_home);
+
   int ran = 0;
   for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++) {
     if (only && strcmp(only, sections[i].name) != 0) continue;
@@ -1253,6 +1355,14 @@ int main(int argc, char **argv) {
   if (!ran) {
     fprintf(stderr, "no section named %s\n", only);
     return 2;
+  }
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    /* in the emulating build every vector tier runs SIMDe's code, native CPU or not */
+    const int emulated =
+        !cpumoe_isa_native((cpumoe_isa)isa) || (g_emulating_build && isa != CPUMOE_ISA_SCALAR);
+    printf("tier %s (%s): %d checks, %d failed\n", cpumoe_isa_name((cpumoe_isa)isa),
+           emulated ? "emulated" : "native", g_tier_checks[isa], g_tier_failures[isa]);
   }
   printf("cpumoe C tests: %d checks, %d failed (tier %s, best %s)\n", g_checks, g_failures,
          cpumoe_isa_name(cpumoe_active_isa()), cpumoe_isa_name(cpumoe_best_supported_isa()));

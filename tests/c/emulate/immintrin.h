@@ -1,0 +1,131 @@
+/*
+ * <immintrin.h> of the emulating test build (python tools/build_c_tests.py --emulate).
+ *
+ * That build compiles the avx2 and avx512 tiers' kernel sources without their ISA flags, with
+ * this directory first on their include path: their `#include <immintrin.h>` lands here and
+ * gets SIMDe's portable implementations under the Intel names (SIMDE_ENABLE_NATIVE_ALIASES),
+ * so a CPU without a tier still runs that tier's code, lane for lane. Below SIMDe come the
+ * intrinsics the kernels use that SIMDe 0.8.2 lacks, and the ones it computes differently
+ * from the hardware (its fmadd is a multiply then an add, two roundings; every tier's bits
+ * rest on one). Each follows the Operation section of Intel's Intrinsics Guide entry of its
+ * name; lanes travel through memcpy so that nothing depends on how SIMDe stores a vector.
+ * tests/c/emulate/test_shim.c checks them against those statements and, on a CPU that has
+ * the instructions, the statements against the hardware.
+ */
+#ifndef CPUMOE_TESTS_EMULATE_IMMINTRIN_H
+#define CPUMOE_TESTS_EMULATE_IMMINTRIN_H
+
+/* With AVX flags SIMDe would include the real <immintrin.h>, which this file shadows. */
+#if defined(__AVX__) || defined(__AVX512F__)
+#error "emulated objects are compiled without the tiers' ISA flags (tools/build_c_tests.py)"
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h> /* _mm256_cvtph_ps: not pulled in by avx512.h */
+
+_Static_assert(sizeof(__m128i) == 16 && sizeof(__m256i) == 32 && sizeof(__m512i) == 64 &&
+                   sizeof(__m256) == 32 && sizeof(__m512) == 64 && sizeof(__mmask32) == 4,
+               "SIMDe's vector types have the sizes of Intel's");
+
+#define CM_EMU static inline
+
+/* vpmovdw: each dword's low word, in order */
+CM_EMU __m256i cm_emu_mm512_cvtepi32_epi16(__m512i a) {
+  uint32_t in[16];
+  uint16_t out[16];
+  memcpy(in, &a, sizeof in);
+  for (int j = 0; j < 16; j++) out[j] = (uint16_t)in[j];
+  __m256i r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtepi32_epi16(a) cm_emu_mm512_cvtepi32_epi16(a)
+
+/* vpmovzxbd: the 16 bytes of a, zero-extended to dwords */
+CM_EMU __m512i cm_emu_mm512_cvtepu8_epi32(__m128i a) {
+  uint8_t in[16];
+  uint32_t out[16];
+  memcpy(in, &a, sizeof in);
+  for (int j = 0; j < 16; j++) out[j] = in[j];
+  __m512i r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtepu8_epi32(a) cm_emu_mm512_cvtepu8_epi32(a)
+
+/* vpmovzxbw: the 32 bytes of a, zero-extended to words */
+CM_EMU __m512i cm_emu_mm512_cvtepu8_epi16(__m256i a) {
+  uint8_t in[32];
+  uint16_t out[32];
+  memcpy(in, &a, sizeof in);
+  for (int j = 0; j < 32; j++) out[j] = in[j];
+  __m512i r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtepu8_epi16(a) cm_emu_mm512_cvtepu8_epi16(a)
+
+/* vpcmpeqw into a mask: bit j set when word j of a equals word j of b */
+CM_EMU __mmask32 cm_emu_mm512_cmpeq_epi16_mask(__m512i a, __m512i b) {
+  uint16_t x[32], y[32];
+  memcpy(x, &a, sizeof x);
+  memcpy(y, &b, sizeof y);
+  uint32_t k = 0;
+  for (int j = 0; j < 32; j++) k |= (uint32_t)(x[j] == y[j]) << j;
+  return (__mmask32)k;
+}
+#define _mm512_cmpeq_epi16_mask(a, b) cm_emu_mm512_cmpeq_epi16_mask(a, b)
+
+/* the sum of the 8 qwords, wrapping as the hardware's adds do (unsigned, so no C overflow) */
+CM_EMU long long cm_emu_mm512_reduce_add_epi64(__m512i a) {
+  uint64_t v[8], sum = 0;
+  memcpy(v, &a, sizeof v);
+  for (int j = 0; j < 8; j++) sum += v[j];
+  long long r;
+  memcpy(&r, &sum, sizeof r);
+  return r;
+}
+#define _mm512_reduce_add_epi64(a) cm_emu_mm512_reduce_add_epi64(a)
+
+/* The sum of the 16 floats in the Guide's order, which fixes the rounding: while more than 2
+ * lanes are left, lane j += lane j + half, then the last two are added. */
+CM_EMU float cm_emu_mm512_reduce_add_ps(__m512 a) {
+  float v[16];
+  memcpy(v, &a, sizeof v);
+  for (int len = 8; len >= 2; len /= 2)
+    for (int j = 0; j < len; j++) v[j] = v[j] + v[j + len];
+  return v[0] + v[1];
+}
+#define _mm512_reduce_add_ps(a) cm_emu_mm512_reduce_add_ps(a)
+
+/* vfmadd: a * b + c rounded once (fmaf), where SIMDe's portable path rounds the product
+ * first. One body per width; lanes per width are sizeof / 4. */
+#define CM_EMU_FMADD_PS(name, type)                                              \
+  CM_EMU type name(type a, type b, type c) {                                     \
+    float x[sizeof(type) / 4], y[sizeof(type) / 4], z[sizeof(type) / 4];         \
+    memcpy(x, &a, sizeof x);                                                     \
+    memcpy(y, &b, sizeof y);                                                     \
+    memcpy(z, &c, sizeof z);                                                     \
+    for (size_t j = 0; j < sizeof(type) / 4; j++) x[j] = fmaf(x[j], y[j], z[j]); \
+    type r;                                                                      \
+    memcpy(&r, x, sizeof r);                                                     \
+    return r;                                                                    \
+  }
+CM_EMU_FMADD_PS(cm_emu_mm_fmadd_ps, __m128)
+CM_EMU_FMADD_PS(cm_emu_mm256_fmadd_ps, __m256)
+CM_EMU_FMADD_PS(cm_emu_mm512_fmadd_ps, __m512)
+#undef CM_EMU_FMADD_PS
+#undef _mm_fmadd_ps
+#undef _mm256_fmadd_ps
+#undef _mm512_fmadd_ps
+#define _mm_fmadd_ps(a, b, c) cm_emu_mm_fmadd_ps(a, b, c)
+#define _mm256_fmadd_ps(a, b, c) cm_emu_mm256_fmadd_ps(a, b, c)
+#define _mm512_fmadd_ps(a, b, c) cm_emu_mm512_fmadd_ps(a, b, c)
+
+#undef CM_EMU
+#endif /* CPUMOE_TESTS_EMULATE_IMMINTRIN_H */

@@ -1,0 +1,166 @@
+/*
+ * Checks the intrinsics that tests/c/emulate/immintrin.h adds to SIMDe against plain-C
+ * statements of Intel's documented semantics (the Intrinsics Guide's Operation sections),
+ * on random inputs and on the inputs where a wrong reading would show (a product whose
+ * rounding an unfused multiply-add loses, lanes whose sum depends on the order).
+ *
+ * Built twice by python tools/build_c_tests.py --emulate:
+ *   with CM_PORTABLE_INTRINSICS, through the shim: the shim against the statements;
+ *   without, against the compiler's <immintrin.h>: the statements against the hardware,
+ *   on a CPU with AVX-512 (elsewhere it says so and passes: there is nothing to compare).
+ * Prints one line; exits 1 when a check failed.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#ifdef CM_PORTABLE_INTRINSICS
+#define CM_TARGET static
+#define VARIANT "emulated"
+#else
+/* only these functions use the instructions, so the rest runs on any x86-64 */
+#define CM_TARGET static __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq")))
+#define VARIANT "native"
+#endif
+
+static int g_checks, g_failures;
+
+static void check(int ok, const char *what, int trial) {
+  g_checks++;
+  if (ok) return;
+  if (++g_failures <= 20) fprintf(stderr, "FAIL: %s (trial %d)\n", what, trial);
+}
+
+static uint64_t g_rng = 0x243f6a8885a308d3u;
+static uint64_t rnd(void) { /* splitmix64 */
+  uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+static void rnd_bytes(void *p, size_t n) {
+  for (size_t i = 0; i < n; i++) ((unsigned char *)p)[i] = (unsigned char)rnd();
+}
+/* finite floats over many binades, both signs */
+static float rnd_float(void) {
+  return ldexpf((float)(rnd() >> 40) * 0x1p-24f, (int)(rnd() % 40) - 20) *
+         ((rnd() & 1) ? -1.0f : 1.0f);
+}
+
+enum { TRIALS = 200 };
+
+CM_TARGET void test_conversions(void) {
+  for (int t = 0; t < TRIALS; t++) {
+    uint8_t bytes[64];
+    rnd_bytes(bytes, sizeof bytes);
+
+    uint32_t d[16];
+    uint16_t w[16], wide[32];
+    memcpy(d, bytes, 64);
+    __m256i r256;
+    __m512i r512;
+    r256 = _mm512_cvtepi32_epi16(_mm512_loadu_si512(bytes));
+    memcpy(w, &r256, 32);
+    int ok = 1;
+    for (int j = 0; j < 16; j++) ok &= w[j] == (uint16_t)(d[j] & 0xffff);
+    check(ok, "_mm512_cvtepi32_epi16: dword j's low word", t);
+
+    r512 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    memcpy(d, &r512, 64);
+    ok = 1;
+    for (int j = 0; j < 16; j++) ok &= d[j] == bytes[j];
+    check(ok, "_mm512_cvtepu8_epi32: byte j zero-extended", t);
+
+    r512 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bytes));
+    memcpy(wide, &r512, 64);
+    ok = 1;
+    for (int j = 0; j < 32; j++) ok &= wide[j] == bytes[j];
+    check(ok, "_mm512_cvtepu8_epi16: byte j zero-extended", t);
+  }
+}
+
+CM_TARGET void test_compare_and_reduce(void) {
+  for (int t = 0; t < TRIALS; t++) {
+    uint16_t a[32], b[32];
+    rnd_bytes(a, sizeof a);
+    memcpy(b, a, sizeof b);
+    for (int j = 0; j < 32; j++) /* about half the words differ, in one bit or many */
+      if (rnd() & 1) b[j] ^= (rnd() & 1) ? (uint16_t)(1u << (rnd() % 16)) : (uint16_t)(rnd() | 1);
+    uint32_t want = 0;
+    for (int j = 0; j < 32; j++) want |= (uint32_t)(a[j] == b[j]) << j;
+    const __mmask32 got = _mm512_cmpeq_epi16_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
+    check((uint32_t)got == want, "_mm512_cmpeq_epi16_mask: bit j = (word j equal)", t);
+
+    /* lanes of either sign; in the shim's variant also big enough that the sum wraps (the
+     * compiler's header adds them as signed C integers, so there a wrap is undefined) */
+#ifdef CM_PORTABLE_INTRINSICS
+    const int shift = t & 1 ? 0 : 5;
+#else
+    const int shift = 5;
+#endif
+    uint64_t q[8], sum = 0;
+    for (int j = 0; j < 8; j++) {
+      const uint64_t m = rnd() >> shift;
+      sum += q[j] = (rnd() & 1) ? m : ~m + 1; /* ~m + 1: -m modulo 2^64 */
+    }
+    const long long total = _mm512_reduce_add_epi64(_mm512_loadu_si512(q));
+    uint64_t total_bits;
+    memcpy(&total_bits, &total, 8);
+    check(total_bits == sum, "_mm512_reduce_add_epi64: wrapping sum", t);
+
+    float f[16];
+    for (int j = 0; j < 16; j++) f[j] = rnd_float();
+    float v[16];
+    memcpy(v, f, sizeof v); /* the Guide's order: halves added lane by lane, then the pair */
+    for (int len = 8; len >= 2; len /= 2)
+      for (int j = 0; j < len; j++) v[j] += v[j + len];
+    const float want_sum = v[0] + v[1], got_sum = _mm512_reduce_add_ps(_mm512_loadu_ps(f));
+    check(memcmp(&want_sum, &got_sum, 4) == 0, "_mm512_reduce_add_ps: the Guide's order", t);
+  }
+  /* left to right the 1s vanish against 2^30 (sum 2); in the Guide's order 2^30 and -2^30
+   * meet first (sum 4) */
+  float f[16] = {0x1p30f, 1.0f, 1.0f, 0, 0, 0, 0, 0, -0x1p30f, 1.0f, 1.0f};
+  const float got = _mm512_reduce_add_ps(_mm512_loadu_ps(f));
+  check(got == 4.0f, "_mm512_reduce_add_ps: 2^30 and -2^30 meet first", 0);
+}
+
+CM_TARGET void test_fmadd(void) {
+  for (int t = 0; t < TRIALS + 1; t++) {
+    float a[16], b[16], c[16], want[16], got[16];
+    for (int j = 0; j < 16; j++) {
+      a[j] = rnd_float(), b[j] = rnd_float();
+      /* c near -a*b, where the product's rounding decides the result */
+      c[j] = (rnd() & 1) ? -(a[j] * b[j]) : rnd_float();
+      if (t == TRIALS) /* (1 + 2^-20)^2 - (1 + 2^-19) = 2^-40 fused, 0 unfused */
+        a[j] = b[j] = 1.0f + 0x1p-20f, c[j] = -(1.0f + 0x1p-19f);
+      want[j] = fmaf(a[j], b[j], c[j]);
+    }
+    const __m512 r512 = _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b), _mm512_loadu_ps(c));
+    memcpy(got, &r512, 64);
+    check(memcmp(got, want, 64) == 0, "_mm512_fmadd_ps: one rounding", t);
+    const __m256 r256 = _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b), _mm256_loadu_ps(c));
+    memcpy(got, &r256, 32);
+    check(memcmp(got, want, 32) == 0, "_mm256_fmadd_ps: one rounding", t);
+    const __m128 r128 = _mm_fmadd_ps(_mm_loadu_ps(a), _mm_loadu_ps(b), _mm_loadu_ps(c));
+    memcpy(got, &r128, 16);
+    check(memcmp(got, want, 16) == 0, "_mm_fmadd_ps: one rounding", t);
+  }
+}
+
+int main(void) {
+#ifndef CM_PORTABLE_INTRINSICS
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("fma")) {
+    printf("shim test (native): no AVX-512 here, the statements are checked on CPUs with it\n");
+    return 0;
+  }
+#endif
+  test_conversions();
+  test_compare_and_reduce();
+  test_fmadd();
+  printf("shim test (" VARIANT "): %d checks, %d failed\n", g_checks, g_failures);
+  return g_failures ? 1 : 0;
+}
