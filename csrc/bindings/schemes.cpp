@@ -5,6 +5,7 @@
 #include "schemes.h"
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 
 #include "checks.h"
@@ -285,7 +286,7 @@ DescribedWeights describe_int4_experts(const SchemeTraits & /*scheme*/,
 // ---- the table ------------------------------------------------------------------------
 // Row i describes moe_comp_method i (SGLang's numbering, docs/SGLANG.md).
 
-constexpr std::array<SchemeTraits, 4> kSchemes{{
+constexpr SchemeTraits kSchemes[] = {
     {
         .scheme = CPUMOE_SCHEME_UNQUANT,
         .name = "bf16/fp16",
@@ -358,20 +359,34 @@ constexpr std::array<SchemeTraits, 4> kSchemes{{
         .describe_dense_scales = nullptr,
         .describe_experts = describe_int4_experts,
     },
-}};
+};
+constexpr size_t kSchemeCount = std::size(kSchemes);
 
 constexpr bool rows_follow_method_numbers() {
-  for (size_t i = 0; i < kSchemes.size(); ++i)
+  for (size_t i = 0; i < kSchemeCount; ++i)
     if (kSchemes[i].scheme != static_cast<cpumoe_scheme>(i)) return false;
   return true;
 }
 static_assert(rows_follow_method_numbers(), "kSchemes[i] must describe moe_comp_method i");
 
+// shared_expert_cpu and describe_dense_experts hand a row's weights to describe_dense_weights,
+// which needs the row's dense layout.
+constexpr bool dense_users_have_dense_layout() {
+  for (const SchemeTraits &s : kSchemes) {
+    const bool dense_user =
+        s.shared_expert.supported || s.describe_experts == describe_dense_experts;
+    if (dense_user && (s.pack == nullptr || s.describe_dense_scales == nullptr)) return false;
+  }
+  return true;
+}
+static_assert(dense_users_have_dense_layout(),
+              "a row that uses dense weights needs pack and describe_dense_scales");
+
 // "0 (bf16/fp16), 1 (int8 w8a8), 2 (fp8 w8a16) or 3 (int4 w4a8)"
 std::string method_choices() {
   std::string choices;
-  for (size_t i = 0; i < kSchemes.size(); ++i) {
-    if (i > 0) choices += i + 1 == kSchemes.size() ? " or " : ", ";
+  for (size_t i = 0; i < kSchemeCount; ++i) {
+    if (i > 0) choices += i + 1 == kSchemeCount ? " or " : ", ";
     choices += std::to_string(i) + " (" + kSchemes[i].name + ")";
   }
   return choices;
@@ -388,25 +403,26 @@ at::ScalarType SchemeTraits::weight_dtype_for(at::ScalarType activation_dtype) c
 }
 
 const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op) {
-  TORCH_CHECK(moe_comp_method >= 0 && moe_comp_method < static_cast<int64_t>(kSchemes.size()), op,
+  TORCH_CHECK(moe_comp_method >= 0 && moe_comp_method < static_cast<int64_t>(kSchemeCount), op,
               ": moe_comp_method must be ", method_choices(), ", got ", moe_comp_method);
   return kSchemes[static_cast<size_t>(moe_comp_method)];
 }
 
 const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16) {
-  const auto row = std::find_if(kSchemes.begin(), kSchemes.end(), [&](const SchemeTraits &s) {
-    return s.shared_expert.supported && s.shared_expert.use_int8_w8a8 == use_int8_w8a8 &&
-           s.shared_expert.use_fp8_w8a16 == use_fp8_w8a16;
-  });
-  TORCH_INTERNAL_ASSERT(row != kSchemes.end(), "no scheme for shared_expert_cpu's flags");
+  const auto row =
+      std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](const SchemeTraits &s) {
+        return s.shared_expert.supported && s.shared_expert.use_int8_w8a8 == use_int8_w8a8 &&
+               s.shared_expert.use_fp8_w8a16 == use_fp8_w8a16;
+      });
+  TORCH_INTERNAL_ASSERT(row != std::end(kSchemes), "no scheme for shared_expert_cpu's flags");
   return *row;
 }
 
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype) {
-  const auto row = std::find_if(kSchemes.begin(), kSchemes.end(), [&](const SchemeTraits &s) {
-    return s.accepts_weight_dtype(dtype);
-  });
-  return row == kSchemes.end() ? nullptr : &*row;
+  const auto row =
+      std::find_if(std::begin(kSchemes), std::end(kSchemes),
+                   [&](const SchemeTraits &s) { return s.accepts_weight_dtype(dtype); });
+  return row == std::end(kSchemes) ? nullptr : &*row;
 }
 
 std::pair<int64_t, int64_t> check_scale_args(const SchemeTraits &scheme, const char *label,
