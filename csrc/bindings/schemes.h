@@ -69,7 +69,7 @@ struct SharedExpertFlags {
 
 struct SchemeTraits {
   cpumoe_scheme scheme;  // = moe_comp_method = the row's index in the table
-  const char *name;      // "int8 w8a8"
+  const char *name;      // "int8 w8a8": the unknown-method message and scale messages
   const char *label;     // "moe_comp_method 1 (int8 w8a8)": fused_experts_cpu's messages
   // The weight dtypes the scheme takes (the second is Undefined when it takes one). With
   // `weights_match_activations` the weights must have hidden_states' dtype.
@@ -78,12 +78,13 @@ struct SchemeTraits {
   ScaleKind scales;
   bool takes_block_size;  // block_size = [block_n, block_k] of kBlock2D scales
   SharedExpertFlags shared_expert;
-  // Dense layout, produced by convert_weight_packed (or by the op when is_vnni=False); the
-  // three entries are 0/nullptr for a scheme without one.
+  // Dense layout, produced by convert_weight_packed (or by the op when is_vnni=False); these
+  // four entries are 0/nullptr for a scheme without one.
   int64_t packed_extra_cols;  // a packed row is IC + this long (int8: 4 bytes of compensation)
   int64_t pack_row_multiple;  // out features must be a multiple of this to pack
   PackFn pack;
   DescribeScalesFn describe_dense_scales;
+  // fused_experts_cpu's step for w1/w2 and their scales and zero points
   DescribeExpertsFn describe_experts;
 
   bool takes_scales() const { return scales != ScaleKind::kNone; }
