@@ -92,7 +92,15 @@ setup(
     ext_modules=[
         CppExtension(
             name="cpumoe._C",
-            sources=["csrc/bindings/ops.cpp"],
+            sources=[
+                "csrc/bindings/registration.cpp",
+                "csrc/bindings/checks.cpp",
+                "csrc/bindings/schemes.cpp",
+                "csrc/bindings/fused_experts.cpp",
+                "csrc/bindings/shared_expert.cpp",
+                "csrc/bindings/packers.cpp",
+                "csrc/bindings/runtime.cpp",
+            ],
             include_dirs=[str(INCLUDE)],
             # -fopenmp: at::parallel_for (the runner in ops.cpp) is an OpenMP parallel region
             # compiled into this file; without the flag it runs every worker on the calling

@@ -1,0 +1,64 @@
+// Argument checks shared by every op (declared in checks.h, messages in docs/ERRORS.md).
+#include "checks.h"
+
+namespace cpumoe::bindings {
+
+const char *dtype_name(at::ScalarType dtype) {
+  return c10::toString(dtype);
+}
+
+cpumoe_dtype core_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return CPUMOE_DTYPE_BF16;
+    case at::kHalf: return CPUMOE_DTYPE_F16;
+    case at::kFloat: return CPUMOE_DTYPE_F32;
+    case at::kDouble: return CPUMOE_DTYPE_F64;
+    case at::kChar: return CPUMOE_DTYPE_I8;
+    case at::kByte: return CPUMOE_DTYPE_U8;
+    case at::kFloat8_e4m3fn: return CPUMOE_DTYPE_F8E4M3;
+    case at::kInt: return CPUMOE_DTYPE_I32;
+    case at::kLong: return CPUMOE_DTYPE_I64;
+    default: TORCH_INTERNAL_ASSERT(false, "no C-core dtype for ", dtype_name(dtype));
+  }
+}
+
+void check_status(cpumoe_status status, const char *op) {
+  TORCH_CHECK(status == CPUMOE_OK, op, ": ", cpumoe_last_error());
+}
+
+void check_cpu_tensor(const at::Tensor &tensor, const char *name, const char *op) {
+  TORCH_CHECK(tensor.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(tensor.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
+              tensor.device());
+  TORCH_CHECK(tensor.layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor");
+}
+
+void check_dense(const at::Tensor &tensor, const char *name, const char *op, int64_t ndim) {
+  check_cpu_tensor(tensor, name, op);
+  TORCH_CHECK(tensor.dim() == ndim, op, ": ", name, " must be a ", ndim, "-D tensor, got shape ",
+              tensor.sizes());
+  TORCH_CHECK(tensor.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+cpumoe_dtype activation_dtype(const at::Tensor &hidden_states, const char *op) {
+  const at::ScalarType dtype = hidden_states.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": hidden_states must be bfloat16 or float16, got ", dtype_name(dtype));
+  return core_dtype(dtype);
+}
+
+void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
+  TORCH_CHECK(K > 0, op, ": hidden size K = hidden_states.size(1) must be positive, got 0");
+  TORCH_CHECK(K % 32 == 0, op, ": hidden size K=", K,
+              " must be a multiple of 32 (pad hidden_states, w1 and w2 with zeros)");
+  TORCH_CHECK(
+      N % 32 == 0, op, ": intermediate size N=", N,
+      " (w1.size(-2) / 2) must be a multiple of 32 (pad w1 rows and w2 columns with zeros)");
+}
+
+void check_unused(const std::optional<at::Tensor> &tensor, const char *name, const char *op,
+                  const char *scheme_label) {
+  TORCH_CHECK(!tensor.has_value(), op, ": ", name, " must be None for ", scheme_label);
+}
+
+}  // namespace cpumoe::bindings

@@ -1,0 +1,60 @@
+// Registration of the extension: the op schemas under torch.ops.cpumoe (SGLang's CPU MoE
+// schemas, docs/SGLANG.md), their CPU kernels (ops.h), and the Python module cpumoe._C with
+// the ISA, workspace and probe helpers (runtime.h). Nothing is computed or checked here.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "ops.h"
+#include "runtime.h"
+
+TORCH_LIBRARY(cpumoe, m) {
+  m.def(
+      "fused_experts_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+      "Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
+      "Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, bool is_vnni) -> Tensor");
+  m.def(
+      "fused_experts_cpu.bias(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+      "Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
+      "Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, "
+      "float? alpha, float? limit, bool is_vnni) -> Tensor");
+  m.def(
+      "shared_expert_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? fused_experts_out, "
+      "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
+      "Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, bool is_vnni) -> Tensor");
+  m.def("convert_weight_packed(Tensor weight) -> Tensor");
+  m.def(
+      "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
+      "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
+  namespace ops = cpumoe::bindings;
+  m.impl("fused_experts_cpu", &ops::fused_experts_cpu);
+  m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
+  m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
+  m.impl("convert_weight_packed", &ops::convert_weight_packed);
+  m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace rt = cpumoe::bindings;
+  m.doc() = "cpumoe native helpers (the ops themselves are torch.ops.cpumoe.*)";
+  m.def("active_isa", &rt::active_isa, "ISA tier the ops use");
+  m.def("best_isa", &rt::best_isa, "best ISA tier this CPU and build support");
+  m.def("set_isa", &rt::set_isa, "cap the active tier (scalar, avx2, avx512)");
+  m.def("isa_reason", &rt::isa_reason);
+  m.def("cpu_features", &rt::cpu_features);
+  m.def("built_isas", &rt::built_isas);
+  m.def("numerics_class", &rt::numerics_class,
+        "numerics class of a tier's results: tiers of one class give the same bits");
+  m.def("release_workspace", &rt::release_workspace,
+        "free the calling thread's cached op workspace");
+  m.def("workspace_bytes", &rt::workspace_bytes,
+        "bytes of the calling thread's cached op workspace");
+  m.def("probe_read", &rt::probe_read, "stream a buffer `passes` times on torch's threads");
+  m.def("probe_int8", &rt::probe_int8,
+        "u8*s8 ops done by `iterations` of the int8 peak loop per thread (VNNI on avx512)");
+  m.def("probe_fma", &rt::probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
+  m.def("runner_threads", &rt::runner_threads,
+        "distinct OS threads that torch's runner gives `workers` workers");
+}

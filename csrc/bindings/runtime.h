@@ -1,0 +1,41 @@
+// What the ops borrow from torch to run the C core: threads (at::parallel_for, so torch's
+// thread count governs the kernels), the per-thread workspace, the output allocation; and
+// the Python-level helpers of cpumoe._C (ISA tier queries, workspace control, the probes the
+// benchmarks use to measure this machine's limits).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "cpumoe/cpumoe.h"
+
+namespace cpumoe::bindings {
+
+// A runner that spreads the C core's workers over torch's intra-op threads.
+cpumoe_runner aten_runner();
+
+// A new contiguous CPU tensor of `like`'s shape and dtype: the op's output.
+at::Tensor new_output_like(const at::Tensor &like);
+
+// Runs a checked fused-MoE problem on torch's threads with the calling thread's workspace.
+void run_problem(const cpumoe_moe_problem &problem, const char *op);
+
+// ---- cpumoe._C (bound in registration.cpp) ----
+std::string active_isa();
+std::string best_isa();
+void set_isa(const std::string &name);
+std::string isa_reason();
+std::string cpu_features();
+std::vector<std::string> built_isas();
+std::string numerics_class(const std::string &tier);
+void release_workspace();
+size_t workspace_bytes();
+double probe_read(const at::Tensor &buffer, int64_t passes);
+double probe_int8(int64_t iterations);
+double probe_fma(int64_t iterations);
+int64_t runner_threads(int64_t workers);
+
+}  // namespace cpumoe::bindings
