@@ -102,7 +102,7 @@ setup(
                 "csrc/bindings/runtime.cpp",
             ],
             include_dirs=[str(INCLUDE)],
-            # -fopenmp: at::parallel_for (the runner in ops.cpp) is an OpenMP parallel region
+            # -fopenmp: at::parallel_for (the runner in runtime.cpp) is an OpenMP parallel region
             # compiled into this file; without the flag it runs every worker on the calling
             # thread. The link resolves libgomp.so.1 to the copy torch has already loaded.
             extra_compile_args=["-O2", "-std=c++20", "-fopenmp"],

@@ -3,7 +3,7 @@
 torch.ops calls release the GIL while the kernel runs (measured: a 140 ms fused_experts
 call in one thread left the interpreter running the other thread with gaps of at most
 12 ms), so these calls really overlap. The binding keeps one cached workspace per calling
-thread (thread_local in csrc/bindings/ops.cpp) and the C core one error message per
+thread (thread_local in csrc/bindings/runtime.cpp) and the C core one error message per
 thread; the cases below have different workspace sizes, so a workspace shared between
 threads would be overwritten or reallocated under a running call. (Checked: with the
 workspace made one static tensor, and again with it allocated once at 64 MiB and shared,
@@ -149,7 +149,7 @@ def test_errors_in_threads_are_their_own():
 
 def test_workers_run_on_torchs_threads():
     """At 2 torch threads the op's workers run on 2 OS threads, at 1 on one. (The binding was
-    once built without -fopenmp: at::parallel_for, an OpenMP region compiled into ops.cpp,
+    once built without -fopenmp: at::parallel_for, an OpenMP region compiled into the binding,
     then ran every worker on the calling thread, so '2 threads' measured one.)"""
     previous = torch.get_num_threads()
     try:

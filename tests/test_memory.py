@@ -5,7 +5,7 @@ shrunk) and, with is_vnni=False, the per-call packed copies; all of it must go b
 allocator. After a warm-up, RSS (from /proc/self/statm) is sampled every 250 calls; it
 may not rise more than SLACK above the first sample. Measured: without a leak the rise was
 0 KiB in every case (3 runs); a 4 KiB tensor or malloc block kept per call (a temporary
-mutation of ops.cpp) made every case fail, rising 6.5-25 MiB.
+mutation of the binding) made every case fail, rising 6.5-25 MiB.
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ cpumoe_runner aten_runner() {
 }
 
 // Made by ATen's CPU factory directly. at::empty_like goes through the dispatcher, whose code
-// is cold on every decode call (the weights stream through the caches between calls): Qwen3
-// M=1, 8 weight copies cycled, clock stamps around the allocation, medians over 280 calls:
-// 4.5-4.8 us against 9.8-11.2 us.
+// is cold on every decode call (the weights stream through the caches between calls), and
+// took about twice as long (docs/PERFORMANCE-HISTORY.md).
 at::Tensor new_output_like(const at::Tensor &like) {
   return at::detail::empty_cpu(like.sizes(), like.scalar_type(), /*pin_memory=*/false,
                                at::MemoryFormat::Contiguous);
