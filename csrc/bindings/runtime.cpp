@@ -23,7 +23,7 @@ void run_on_aten_threads(void * /*runner_ctx*/, int64_t n_workers, cpumoe_worker
 }
 
 // One workspace per calling thread, grown on demand and kept: fresh pages are faulted in
-// and zero-filled by the OS on first touch, which on every call would cost ~10 ms for a
+// and zero-filled by the OS on first touch, which on every call would cost milliseconds for a
 // 512-token Qwen3 layer. release_workspace() returns it to torch's allocator.
 thread_local at::Tensor cached_workspace;
 

@@ -23,10 +23,9 @@
  * case: vcvtph2ps widens fp16 subnormals exactly and without a microcode assist (placing
  * the bits straight into fp32 would make fp32 denormals, whose assists cost ~30x on data
  * with many small codes). The NaN codes would come out finite, so the loop tracks them
- * (one min per 64 bytes) and a block that holds one is redone by the exact route.
- * Measured in L2, one thread, mr = 1: 8.2-8.8 GB/s of weights for the earlier widening
- * route with a per-weight scale multiply and a per-pair special-code branch; 10.6-14.1 GB/s
- * with the in-place fp16 bits; 16.3-16.9 GB/s once the scale moved out of the k loop.
+ * (one min per 64 bytes) and a block that holds one is redone by the exact route. Both
+ * the in-place fp16 bits and the scale outside the k loop roughly doubled the weights
+ * streamed per second from L2 (docs/PERFORMANCE-HISTORY.md).
  *
  * Two ways to use the weights, chosen by the pipeline, with identical results:
  *   decode  (few rows): cm_fp8_gemm_f32acc_mrx32 decodes in registers, nothing stored.
@@ -41,10 +40,8 @@
 #include "common/ukernels.h"
 
 #define MR CM_TILE_MR_AVX512
-/* Decode prefetch, bytes of weights ahead: prefetcht0 1 KiB and prefetcht1 8 KiB, 5-9%
- * faster than the single prefetcht0 4 KiB ahead used before (Qwen3 M=1, one process,
- * rotating order, 3 x 40 calls each: medians 3.69-3.86 vs 3.98-4.13 ms; 2+8, 4+12, 1+6,
- * 1+12 and 0.5+8 KiB within a few % of it). */
+/* Decode prefetch, bytes of weights ahead: prefetcht0 1 KiB and prefetcht1 8 KiB, faster
+ * than a single prefetcht0 distance; nearby pairs did about as well. */
 #define CM_FP8_PREFETCH_L1_BYTES 1024
 #define CM_FP8_PREFETCH_L2_BYTES 8192
 
@@ -73,10 +70,7 @@ static inline __attribute__((always_inline)) void decode_pair(__m256i bytes, __m
  * k pair's 32 columns must first be extracted (a port-5 uop, the port the FMAs share), so
  * the fp16 bits take a round trip through a 128-byte L1 scratch buffer instead. Written
  * in asm because compilers forward the stored vector to the load and emit the extract
- * again. Measured, one thread, mr = 1, old and new code alternating in one process:
- * weights in L1 15.6 vs 16.7 GB/s, in L2 12.4 vs 12.8; llvm-mca (icelake-server) puts the
- * loop at 8.1 vs 11.2 cycles per k pair. Qwen3 fp8 M=1, 5 weight copies cycled, one
- * process alternating, 3 x 60 calls: medians 2.06, 2.03, 1.89 vs 2.14, 2.07, 1.96 ms. */
+ * again. Two fewer vector uops per 64 bytes of weights (docs/PERFORMANCE-HISTORY.md). */
 static inline __attribute__((always_inline)) __m512 cvtph_ps_from_memory(const void *half) {
 #ifdef CM_PORTABLE_INTRINSICS
   /* the emulating test build (tools/build_c_tests.py): its intrinsics layer cannot run asm */
