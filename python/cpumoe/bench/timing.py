@@ -16,8 +16,9 @@ import torch
 
 from .. import _C
 from ..ops import fused_experts
-from .baselines import BASELINES, _rel_diff, _speedup_key
+from .baselines import BASELINES, PEERS, _rel_diff, _speedup_key
 from .machine import Limits, OthersLoad, default_weight_layers
+from .peers import PEER_AGREEMENT
 from .schemes import SCHEMES, ExpertWeights
 from .shapes import DTYPES, Routing, Shape, _as_shape, _dtype_name, make_routings
 
@@ -114,6 +115,7 @@ def run_case(
     max_iters: int = 200,
     baseline: bool = True,
     torch_baseline: bool = True,
+    peers: Sequence[str] = (),
     capped: Optional[dict] = None,
     limits: Optional[Limits] = None,
     read_gbps: Optional[float] = None,
@@ -136,7 +138,9 @@ def run_case(
     if given, else enough for ``min_time`` seconds, clamped to ``[min_iters, max_iters]``
     (estimated from the warm-up). The baselines (``baseline``: the eager loop; with
     ``torch_baseline`` also the scheme's torch path, e.g. the ``torch._weight_int8pack_mm``
-    loop for int8, where torch has it) use the same routings (a prefix, when slower).
+    loop for int8, where torch has it) use the same routings (a prefix, when slower), and
+    so do the ``peers`` (keys of :data:`PEERS`: other libraries' kernels, where they run;
+    one whose output disagrees with cpumoe's is reported in ``{key}_error``, not timed).
     cpumoe's calls cycle through ``weight_layers`` copies of the weights (default
     :func:`default_weight_layers`: weights come from DRAM, as in a model with many layers);
     the baselines read one copy (which, if anything, favours them).
@@ -157,7 +161,7 @@ def run_case(
     label = f"{shape.name} {scheme} M={M}"
     g, x, warm = _case_inputs(shape, M, weights.dtype, seed)
     call_cpumoe, n_layers = _layered_call(weights, x, weight_layers)
-    baselines = _baseline_calls(weights, x, baseline and torch_baseline, baseline)
+    baselines = _baseline_calls(weights, x, baseline and torch_baseline, baseline, peers)
     threads = torch.get_num_threads()
     scaling_threads = [c for c in scaling_threads if c != threads]
     share = 1.0 / (1 + len(baselines) + len(scaling_threads))
@@ -208,13 +212,15 @@ def _case_weights(shape: Shape, dtype, scheme: Optional[str],
 
 
 def _baseline_calls(weights: ExpertWeights, x: torch.Tensor, torch_baseline: bool,
-                    eager: bool) -> list:
+                    eager: bool, peers: Sequence[str] = ()) -> list:
     """``[(Baseline, call)]`` of the in-process baselines that run: the eager loop (with
-    ``eager``) and, with ``torch_baseline``, the scheme's torch path, where torch has it."""
+    ``eager``), with ``torch_baseline`` the scheme's torch path, where torch has it, and
+    the ``peers`` that run here."""
     keys = ["baseline"] if eager else []
     own = SCHEMES[weights.scheme].torch_baseline
     if torch_baseline and own:
         keys.append(own)
+    keys += list(peers)
     return [(BASELINES[k], BASELINES[k].make_call(weights, x)) for k in keys
             if BASELINES[k].unavailable(weights.dtype) is None]
 
@@ -224,11 +230,18 @@ def _time_baselines(baselines: list, out_cpumoe: torch.Tensor, warm: List[Routin
                     label: str) -> Dict[str, tuple]:
     """Times each baseline on a prefix of cpumoe's routings (as many calls as its own
     warm-up allows, at most cpumoe's): ``{key: (seconds per call, relative difference of
-    cpumoe's first output from the baseline's, others' CPU share)}``."""
+    cpumoe's first output from the baseline's, others' CPU share)}``. A peer is first run on
+    cpumoe's first routing; if its output differs by more than PEER_AGREEMENT it is not
+    timed: ``{key: (None, that difference, None)}``."""
     found: Dict[str, tuple] = {}
     for k, (b, fn) in enumerate(baselines):
         lo = share * (k + 1)
         name = f"{b.column} baseline"
+        if b.key in PEERS:
+            diff = _rel_diff(out_cpumoe, fn(routings[0]))
+            if diff is None or not diff <= PEER_AGREEMENT:
+                found[b.key] = (None, diff, None)
+                continue
         report(lo, f"{label}: {name} warm-up")
         nb = min(_iterations(_warm_up(fn, warm), *counts), len(routings))
         bt, out_b, load_b = _time_calls(fn, routings[:nb],
@@ -311,6 +324,9 @@ def _baseline_fields(found: Dict[str, tuple], sec: float) -> dict:
             _speedup_key(key): med / sec if med else None,
             f"rel_diff_vs_{key}": diff,
         })
+        if key in PEERS and key in found and bt is None:
+            fields[f"{key}_error"] = (f"output differs from cpumoe's by {diff:.3g} (relative), "
+                                      f"more than {PEER_AGREEMENT}: not timed")
     return fields
 
 
