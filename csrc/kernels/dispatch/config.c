@@ -190,6 +190,13 @@ static void build_state(cm_dispatch_state *st) {
     if (isa != parent) *c = st->configs[parent];
     row->init(c);
     c->isa = isa;
+    /* test builds check each row against what the pipeline and the packed layouts assume */
+    for (int s = 0; s < CM_SCHEME_COUNT; s++) {
+      const cm_gemm_config *g = &c->gemm[s];
+      CM_EXPECT(g->nr == CM_NR && g->mr >= 1 && g->mr <= CM_MR_MAX);
+      CM_EXPECT((g->kr == 2 || g->kr == 4) && g->decode_max_rows <= g->mr);
+      CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT);
+    }
   }
 #ifdef CPUMOE_EMULATE_TIERS
   st->best = cm_tier_rank[CPUMOE_ISA_COUNT - 1];
