@@ -6,16 +6,17 @@
  * follows and what the silicon was found to do. A use that would fault on hardware (a bad
  * configuration, mismatched shapes) aborts with a message.
  *
- * As in GCC, a tile is named by an integer constant: CM_AMX_IMM refuses anything else at
- * compile time (a struct member's array length must be a constant), so a kernel that builds
- * here also builds with the real intrinsics.
+ * As in GCC, a tile is named by an integer constant, 0 to 7: CM_AMX_IMM refuses anything else
+ * at compile time (a bit-field's width must be a constant, and positive), so a kernel that
+ * builds here also builds with the real intrinsics.
  */
 #ifndef CPUMOE_TESTS_EMULATE_AMX_H
 #define CPUMOE_TESTS_EMULATE_AMX_H
 
 #include "bf16_amx_model.h"
 
-#define CM_AMX_IMM(t) ((void)sizeof(struct { char tile_immediate[(t) + 1]; }), (t))
+#define CM_AMX_IMM(t) \
+  ((void)sizeof(struct { unsigned tile_immediate : (t) >= 0 && (t) < 8 ? 1 : -1; }), (t))
 
 #define _tile_loadconfig(config) cm_amx_ldtilecfg(config)
 #define _tile_storeconfig(config) cm_amx_sttilecfg(config)
