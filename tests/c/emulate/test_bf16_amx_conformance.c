@@ -555,6 +555,44 @@ static void test_amx_load_store(void) {
   report(&t);
 }
 
+/* ldtilecfg again (the same configuration, or another): the tiles' data, and what sttilecfg
+ * reads back */
+AMX_TARGET static void native_reconfigure(const uint8_t cfg[64], const uint8_t cfg2[64],
+                                          const void *src, void *out, uint8_t stored[64]) {
+  _tile_loadconfig(cfg);
+  _tile_loadd(0, src, 64);
+  _tile_storeconfig(stored);
+  _tile_loadconfig(cfg2);
+  _tile_stored(0, out, 64);
+  _tile_release();
+}
+
+static void test_amx_reconfigure(void) {
+  struct tally t = {"ldtilecfg (again)/sttilecfg", 0, 0};
+  static uint8_t out_hw[16 * 64], out_model[16 * 64];
+  for (int same = 0; same < 2; same++) {
+    uint8_t cfg[64] = {1}, cfg2[64] = {1}, st_hw[64], st_model[64];
+    cfg[16] = cfg2[16] = 64, cfg[48] = cfg2[48] = 16; /* tmm0 16 x 64 */
+    if (!same) cfg[18] = 8, cfg[49] = 3;              /* and tmm1 3 x 8 the first time */
+    for (size_t i = 0; i < sizeof g_ta; i++) g_ta[i] = (uint8_t)(rnd() | 1);
+    memset(out_hw, 0xee, sizeof out_hw), memset(out_model, 0xee, sizeof out_model);
+    native_reconfigure(cfg, cfg2, g_ta, out_hw, st_hw);
+    cm_amx_ldtilecfg(cfg);
+    cm_amx_tileloadd(0, g_ta, 64);
+    cm_amx_sttilecfg(st_model);
+    cm_amx_ldtilecfg(cfg2);
+    cm_amx_tilestored(0, out_model, 64);
+    cm_amx_tilerelease();
+    t.cases += 2;
+    if (memcmp(out_hw, out_model, sizeof out_hw) && ++t.mismatches <= 4)
+      printf("  tile data after ldtilecfg (%s configuration): hardware %s, model %s\n",
+             same ? "same" : "another", out_hw[0] ? "kept" : "zeroed",
+             out_model[0] ? "kept" : "zeroed");
+    if (memcmp(st_hw, st_model, 64) && ++t.mismatches <= 4) printf("  sttilecfg differs\n");
+  }
+  report(&t);
+}
+
 /* ---- what faults ----------------------------------------------------------------------------- */
 
 enum { FAULT_LOADCFG, FAULT_DP, FAULT_LOAD_UNCONFIGURED, FAULT_LOAD, FAULT_STORE, FAULT_ZERO };
@@ -715,6 +753,7 @@ int main(void) {
     test_amx_bf16_special();
     test_amx_products();
     test_amx_load_store();
+    test_amx_reconfigure();
   } else {
     printf("conformance: no AMX (tile, bf16, int8) here: the tile instructions are skipped\n");
   }
