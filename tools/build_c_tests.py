@@ -23,10 +23,15 @@ Measured on a 2-core AVX-512 machine shared with other jobs: the build takes 80-
 the run with --emulate-all 30 s (of which the probes' 12e6-iteration int8 loop is most), so
 the driver runs its usual problem sizes.
 
+Without --emulate it also builds and runs tests/c/emulate/test_bf16_amx_conformance.c, which
+holds the bf16 and AMX models (tests/c/emulate/bf16_amx_model.h, what the emulated avx512bf16
+and amx tiers run on) to the instructions bit for bit where the CPU has them (AVX512_BF16,
+AMX), and says what it skipped elsewhere; the models' fault checks run everywhere.
+
 Usage: python tools/build_c_tests.py [--emulate] [--build-dir DIR] [--no-run]
            [--emulate-all] [SECTION] [-v]
 Exit status: the driver's (1 when a check failed; a sanitizer report aborts it), or the shim
-test's when that failed.
+test's or the conformance test's when that failed.
 """
 
 import argparse
@@ -54,6 +59,7 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g", "
             "-fno-omit-frame-pointer"]
 DRIVER_SOURCES = sorted((ROOT / "tests" / "c").glob("*.c"))
 EMULATE_DIR = ROOT / "tests" / "c" / "emulate"
+CONFORMANCE_SOURCE = EMULATE_DIR / "test_bf16_amx_conformance.c"
 EMULATE_DEFINE = "-DCPUMOE_EMULATE_TIERS"
 # Emulated objects only: -Wno-psabi, since passing a 32/64-byte vector without AVX changes
 # the calling convention, which gcc notes once per function; every object of this build is
@@ -114,6 +120,13 @@ def shim_test_commands(cc, out, simde):
     return builds
 
 
+def conformance_test_command(cc, out):
+    """The bf16/AMX conformance program, at baseline flags: its functions that run the
+    instructions name them in a target attribute and run only where the CPU has them."""
+    exe = out / "test_bf16_amx_conformance"
+    return exe, [cc, *BASE_CFLAGS, *SANITIZE, str(CONFORMANCE_SOURCE), "-o", str(exe), "-lm"]
+
+
 def run_compiles(jobs):
     def compile_one(job):
         obj, cmd = job
@@ -148,6 +161,8 @@ def main() -> int:
             return 2
     jobs = compile_jobs(cc, out, args.emulate, simde)
     shim_tests = shim_test_commands(cc, out, simde) if args.emulate else []
+    if not args.emulate:  # a native test: the same program in both builds would run twice
+        shim_tests.append(conformance_test_command(cc, out))
     if not run_compiles(jobs + shim_tests):
         return 2
     exe = out / "test_cpumoe"

@@ -10,7 +10,9 @@
  * rest on one). Each follows the Operation section of Intel's Intrinsics Guide entry of its
  * name; lanes travel through memcpy so that nothing depends on how SIMDe stores a vector.
  * tests/c/emulate/test_shim.c checks them against those statements and, on a CPU that has
- * the instructions, the statements against the hardware.
+ * the instructions, the statements against the hardware. The bf16 intrinsics and AMX (amx.h)
+ * rest on the exact models of bf16_amx_model.h, which test_bf16_amx_conformance.c holds to the
+ * silicon bit for bit.
  */
 #ifndef CPUMOE_TESTS_EMULATE_IMMINTRIN_H
 #define CPUMOE_TESTS_EMULATE_IMMINTRIN_H
@@ -27,6 +29,8 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h> /* _mm256_cvtph_ps: not pulled in by avx512.h */
+
+#include "bf16_amx_model.h" /* the bf16 instructions' lanes, below */
 
 _Static_assert(sizeof(__m128i) == 16 && sizeof(__m256i) == 32 && sizeof(__m512i) == 64 &&
                    sizeof(__m256) == 32 && sizeof(__m512) == 64 && sizeof(__mmask32) == 4,
@@ -126,6 +130,76 @@ CM_EMU_FMADD_PS(cm_emu_mm512_fmadd_ps, __m512)
 #define _mm_fmadd_ps(a, b, c) cm_emu_mm_fmadd_ps(a, b, c)
 #define _mm256_fmadd_ps(a, b, c) cm_emu_mm256_fmadd_ps(a, b, c)
 #define _mm512_fmadd_ps(a, b, c) cm_emu_mm512_fmadd_ps(a, b, c)
+
+/* bf16 (AVX512_BF16). SIMDe 0.8.2's _mm512_dpbf16_ps adds the even product first, with no
+ * DAZ or FTZ; the hardware adds the odd one first and flushes (bf16_amx_model.h, and
+ * test_bf16_amx_conformance.c, which holds that model to the instruction bit for bit). SIMDe
+ * has none of the conversions. */
+_Static_assert(sizeof(__m512bh) == 64 && sizeof(__m256bh) == 32, "SIMDe's bf16 vectors");
+CM_EMU __m512 cm_emu_mm512_dpbf16_lanes(__m512 src, __m512bh a, __m512bh b, uint32_t k,
+                                        int zero_masked) {
+  uint32_t acc[16], x[16], y[16];
+  memcpy(acc, &src, sizeof acc);
+  memcpy(x, &a, sizeof x);
+  memcpy(y, &b, sizeof y);
+  for (int j = 0; j < 16; j++) {
+    if (k >> j & 1)
+      acc[j] = cm_dpbf16_lane(acc[j], x[j], y[j]);
+    else if (zero_masked)
+      acc[j] = 0;
+  }
+  __m512 r;
+  memcpy(&r, acc, sizeof r);
+  return r;
+}
+#undef _mm512_dpbf16_ps
+#undef _mm512_mask_dpbf16_ps
+#undef _mm512_maskz_dpbf16_ps
+#define _mm512_dpbf16_ps(src, a, b) cm_emu_mm512_dpbf16_lanes(src, a, b, 0xffffu, 0)
+#define _mm512_mask_dpbf16_ps(src, k, a, b) cm_emu_mm512_dpbf16_lanes(src, a, b, k, 0)
+#define _mm512_maskz_dpbf16_ps(k, src, a, b) cm_emu_mm512_dpbf16_lanes(src, a, b, k, 1)
+
+/* vcvtne2ps2bf16: words 0-15 from b, 16-31 from a (the instruction's second source is low) */
+CM_EMU __m512bh cm_emu_mm512_cvtne2ps_pbh(__m512 a, __m512 b) {
+  uint32_t hi[16], lo[16];
+  uint16_t out[32];
+  memcpy(hi, &a, sizeof hi);
+  memcpy(lo, &b, sizeof lo);
+  for (int j = 0; j < 16; j++) {
+    out[j] = cm_cvtne_f32_bf16(lo[j]);
+    out[j + 16] = cm_cvtne_f32_bf16(hi[j]);
+  }
+  __m512bh r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtne2ps_pbh(a, b) cm_emu_mm512_cvtne2ps_pbh(a, b)
+
+CM_EMU __m256bh cm_emu_mm512_cvtneps_pbh(__m512 a) {
+  uint32_t in[16];
+  uint16_t out[16];
+  memcpy(in, &a, sizeof in);
+  for (int j = 0; j < 16; j++) out[j] = cm_cvtne_f32_bf16(in[j]);
+  __m256bh r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtneps_pbh(a) cm_emu_mm512_cvtneps_pbh(a)
+
+/* bf16 to fp32 is exact (a shift; compilers emit vpslld, no DAZ) */
+CM_EMU __m512 cm_emu_mm512_cvtpbh_ps(__m256bh a) {
+  uint16_t in[16];
+  uint32_t out[16];
+  memcpy(in, &a, sizeof in);
+  for (int j = 0; j < 16; j++) out[j] = cm_bf16_widen(in[j]);
+  __m512 r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_cvtpbh_ps(a) cm_emu_mm512_cvtpbh_ps(a)
+
+/* AMX, as GCC's <immintrin.h> has it */
+#include "amx.h"
 
 #undef CM_EMU
 #endif /* CPUMOE_TESTS_EMULATE_IMMINTRIN_H */

@@ -2,26 +2,35 @@
  * Checks the intrinsics that tests/c/emulate/immintrin.h adds to SIMDe against plain-C
  * statements of Intel's documented semantics (the Intrinsics Guide's Operation sections),
  * on random inputs and on the inputs where a wrong reading would show (a product whose
- * rounding an unfused multiply-add loses, lanes whose sum depends on the order).
+ * rounding an unfused multiply-add loses, lanes whose sum depends on the order). The bf16
+ * intrinsics are checked lane for lane against bf16_amx_model.h (itself held to the silicon
+ * by test_bf16_amx_conformance.c), and, emulated only, the AMX names of amx.h against a plain
+ * statement of the int8 tile products.
  *
  * Built twice by python tools/build_c_tests.py --emulate:
  *   with CM_PORTABLE_INTRINSICS, through the shim: the shim against the statements;
  *   without, against the compiler's <immintrin.h>: the statements against the hardware,
  *   on a CPU with AVX-512 (elsewhere it says so and passes: there is nothing to compare).
- * Prints one line; exits 1 when a check failed.
+ * Prints one line (and one more where the CPU lacks AVX512_BF16); exits 1 when a check failed.
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
+/* the bf16 statements: exact models, held to the silicon by test_bf16_amx_conformance.c */
+#include "bf16_amx_model.h"
+
 #ifdef CM_PORTABLE_INTRINSICS
 #define CM_TARGET static
+#define CM_TARGET_BF16 static
 #define VARIANT "emulated"
 #else
 /* only these functions use the instructions, so the rest runs on any x86-64 */
 #define CM_TARGET static __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq")))
+#define CM_TARGET_BF16 static __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define VARIANT "native"
 #endif
 
@@ -149,6 +158,105 @@ CM_TARGET void test_fmadd(void) {
   }
 }
 
+/* the bf16 intrinsics, lane for lane and mask bit for mask bit, against the models; fp32
+ * lanes of every kind (denormals, NaNs), bf16 of every bit pattern */
+CM_TARGET_BF16 void test_bf16(void) {
+  for (int t = 0; t < TRIALS; t++) {
+    uint32_t acc[16], a[16], b[16], out[16];
+    uint16_t h[32];
+    rnd_bytes(a, sizeof a);
+    rnd_bytes(b, sizeof b);
+    rnd_bytes(acc, sizeof acc);
+    for (int j = 0; j < 16; j++) /* half the accumulators moderate, so sums do not saturate */
+      if (j % 2) acc[j] = (acc[j] & 0x807fffffu) | (uint32_t)(110 + rnd() % 40) << 23;
+    const uint16_t k = (uint16_t)rnd();
+    __m512bh x, y;
+    memcpy(&x, a, 64);
+    memcpy(&y, b, 64);
+    const __m512 c = _mm512_loadu_ps((const float *)acc);
+    __m512 r = _mm512_dpbf16_ps(c, x, y);
+    memcpy(out, &r, 64);
+    int ok = 1;
+    for (int j = 0; j < 16; j++) ok &= out[j] == cm_dpbf16_lane(acc[j], a[j], b[j]);
+    check(ok, "_mm512_dpbf16_ps: odd pair first, DAZ, FTZ", t);
+    r = _mm512_mask_dpbf16_ps(c, k, x, y);
+    memcpy(out, &r, 64);
+    ok = 1;
+    for (int j = 0; j < 16; j++)
+      ok &= out[j] == (k >> j & 1 ? cm_dpbf16_lane(acc[j], a[j], b[j]) : acc[j]);
+    check(ok, "_mm512_mask_dpbf16_ps: unmasked lanes keep src", t);
+    r = _mm512_maskz_dpbf16_ps(k, c, x, y);
+    memcpy(out, &r, 64);
+    ok = 1;
+    for (int j = 0; j < 16; j++)
+      ok &= out[j] == (k >> j & 1 ? cm_dpbf16_lane(acc[j], a[j], b[j]) : 0);
+    check(ok, "_mm512_maskz_dpbf16_ps: unmasked lanes zero", t);
+
+    const __m512bh two =
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps((const float *)a), _mm512_loadu_ps((const float *)b));
+    memcpy(h, &two, 64);
+    ok = 1;
+    for (int j = 0; j < 16; j++)
+      ok &= h[j] == cm_cvtne_f32_bf16(b[j]) && h[j + 16] == cm_cvtne_f32_bf16(a[j]);
+    check(ok, "_mm512_cvtne2ps_pbh: b's lanes low, a's high, RNE", t);
+    const __m256bh one = _mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)a));
+    memcpy(h, &one, 32);
+    ok = 1;
+    for (int j = 0; j < 16; j++) ok &= h[j] == cm_cvtne_f32_bf16(a[j]);
+    check(ok, "_mm512_cvtneps_pbh: RNE", t);
+    r = _mm512_cvtpbh_ps(one);
+    memcpy(out, &r, 64);
+    ok = 1;
+    for (int j = 0; j < 16; j++) ok &= out[j] == cm_bf16_widen(h[j]);
+    check(ok, "_mm512_cvtpbh_ps: the upper half of an fp32", t);
+  }
+}
+
+#ifdef CM_PORTABLE_INTRINSICS
+/* The AMX names of amx.h (immediates, strides, the letters' signedness) against a plain
+ * statement of the int8 dot products; the model itself is held to the silicon by
+ * test_bf16_amx_conformance.c. */
+static void test_amx_names(void) {
+  for (int t = 0; t < TRIALS / 10; t++) {
+    const int M = 1 + (int)(rnd() % 16), N = 1 + (int)(rnd() % 16), K = 1 + (int)(rnd() % 16);
+    uint8_t cfg[64] = {1}, a[16][80], b[16][80];
+    uint32_t c[16][20], out[16][20], want[16][20];
+    rnd_bytes(a, sizeof a), rnd_bytes(b, sizeof b), rnd_bytes(c, sizeof c);
+    cfg[16 + 2 * 5] = cfg[16 + 2 * 7] = (uint8_t)(4 * N), cfg[16 + 2 * 2] = (uint8_t)(4 * K);
+    cfg[48 + 5] = cfg[48 + 2] = (uint8_t)M, cfg[48 + 7] = (uint8_t)K;
+    for (int variant = 0; variant < 2; variant++) {
+      _tile_loadconfig(cfg);
+      _tile_loadd(5, c, sizeof c[0]);
+      _tile_loadd(2, a, sizeof a[0]);
+      _tile_loadd(7, b, sizeof b[0]);
+      if (variant)
+        _tile_dpbssd(5, 2, 7);
+      else
+        _tile_dpbusd(5, 2, 7);
+      _tile_stored(5, out, sizeof out[0]);
+      _tile_release();
+      int ok = 1;
+      for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+          uint32_t sum = c[m][n];
+          for (int q = 0; q < 4 * K; q++) {
+            const int x = variant && a[m][q] > 127 ? a[m][q] - 256 : a[m][q];
+            const int y = b[q / 4][4 * n + q % 4] > 127 ? b[q / 4][4 * n + q % 4] - 256
+                                                        : b[q / 4][4 * n + q % 4];
+            sum += (uint32_t)(x * y);
+          }
+          want[m][n] = sum;
+          ok &= out[m][n] == want[m][n];
+        }
+      check(ok,
+            variant ? "_tile_dpbssd: signed x signed, wrapping"
+                    : "_tile_dpbusd: unsigned x signed, wrapping",
+            t);
+    }
+  }
+}
+#endif
+
 int main(void) {
 #ifndef CM_PORTABLE_INTRINSICS
   __builtin_cpu_init();
@@ -161,6 +269,16 @@ int main(void) {
   test_conversions();
   test_compare_and_reduce();
   test_fmadd();
+#ifdef CM_PORTABLE_INTRINSICS
+  test_bf16();
+  test_amx_names();
+#else
+  unsigned eax, ebx, ecx, edx; /* AVX512_BF16: CPUID.(7,1):EAX[5] */
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 5 & 1))
+    test_bf16();
+  else
+    printf("shim test (native): no AVX512_BF16 here, its statements are not checked\n");
+#endif
   printf("shim test (" VARIANT "): %d checks, %d failed\n", g_checks, g_failures);
   return g_failures ? 1 : 0;
 }
