@@ -115,8 +115,8 @@ def shim_test_commands(cc, out, simde):
                                                  str(simde)]),
                         ("test_shim_native", [])):
         exe = out / name
-        builds.append((exe, [cc, *BASE_CFLAGS, *flags, *SANITIZE, str(src), "-o", str(exe),
-                             "-lm"]))
+        builds.append((exe, [cc, *BASE_CFLAGS, *flags, *SANITIZE, f"-I{KERNELS}", str(src),
+                             "-o", str(exe), "-lm"]))
     return builds
 
 
@@ -124,7 +124,8 @@ def conformance_test_command(cc, out):
     """The bf16/AMX conformance program, at baseline flags: its functions that run the
     instructions name them in a target attribute and run only where the CPU has them."""
     exe = out / "test_bf16_amx_conformance"
-    return exe, [cc, *BASE_CFLAGS, *SANITIZE, str(CONFORMANCE_SOURCE), "-o", str(exe), "-lm"]
+    return exe, [cc, *BASE_CFLAGS, *SANITIZE, f"-I{KERNELS}", str(CONFORMANCE_SOURCE), "-o",
+                 str(exe), "-lm"]
 
 
 def run_compiles(jobs):

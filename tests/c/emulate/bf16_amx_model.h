@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/numeric.h" /* cm_f32_bits, cm_f32_from_bits */
+
 #ifndef CM_AMX_FAULT
 #define CM_AMX_FAULT(message) cm_model_fault(message)
 _Noreturn static inline void cm_model_fault(const char *message) {
@@ -43,23 +45,13 @@ _Noreturn static inline void cm_model_fault(const char *message) {
 
 /* ---- fp32 steps as the bf16 instructions do them ---------------------------------------- */
 
-static inline uint32_t cm_bits_of(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-static inline float cm_float_of(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
 static inline int cm_is_nan_bits(uint32_t x) {
   return (x & 0x7fffffffu) > 0x7f800000u;
 }
 
 /* DAZ: a denormal input counts as the zero of its sign */
 static inline float cm_daz(uint32_t x) {
-  return cm_float_of((x & 0x7f800000u) ? x : x & 0x80000000u);
+  return cm_f32_from_bits((x & 0x7f800000u) ? x : x & 0x80000000u);
 }
 
 /* The NaN an invalid operation (inf * 0, inf - inf) makes: x86's "real indefinite". */
@@ -74,7 +66,7 @@ static inline float cm_daz(uint32_t x) {
  * the exact value decides, as s + e (TwoSum in double; a * b is exact in double, since one
  * factor has at most 8 significant bits and the other at most 24). */
 static inline uint32_t cm_ftz(float r, float a, float b, float c) {
-  const uint32_t bits = cm_bits_of(r), mag = bits & 0x7fffffffu;
+  const uint32_t bits = cm_f32_bits(r), mag = bits & 0x7fffffffu;
   if (mag == 0 || mag > 0x00800000u) return bits;
   if (mag < 0x00800000u) return bits & 0x80000000u;
   const double p = (double)a * (double)b, s = p + (double)c, bp = s - (double)c;

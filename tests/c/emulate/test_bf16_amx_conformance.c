@@ -85,7 +85,7 @@ static uint32_t pair(uint16_t lo, uint16_t hi) {
   return (uint32_t)hi << 16 | lo;
 }
 static uint16_t bf16_of(float f) {
-  return (uint16_t)(cm_bits_of(f) >> 16);
+  return (uint16_t)(cm_f32_bits(f) >> 16);
 }
 
 /* ---- results -------------------------------------------------------------------------------- */
@@ -147,7 +147,7 @@ static uint32_t even_first(uint32_t acc, uint32_t a, uint32_t b) {
 static uint32_t one_rounding(uint32_t acc, uint32_t a, uint32_t b) {
   const double s = (double)cm_daz(acc) + (double)cm_daz(a & 0xffff0000u) * cm_daz(b & 0xffff0000u) +
                    (double)cm_daz(a << 16) * cm_daz(b << 16);
-  return cm_bits_of((float)s);
+  return cm_f32_bits((float)s);
 }
 
 /* Runs lanes [0, n) natively and through the model; counts into t, prints the first
