@@ -757,7 +757,7 @@ static double sigmoid(double x) {
   return 1.0 / (1.0 + exp(-x));
 }
 
-/* DESIGN.md section 1, with the rounding points of cpumoe.h: act(h) rounded to the
+/* docs/MATH.md, with the rounding points of cpumoe.h: act(h) rounded to the
  * activation dtype; everything else exact (double). */
 static void reference(moe_data *d) {
   const moe_case *c = d->c;
