@@ -96,23 +96,24 @@ static void cm_config_init__scalar(cm_tier_config *c) {
                        .kernels.int4 = CM_INT4_UNPACK_KERNELS(scalar)};
 }
 
+/* A tier that has its own version of every kernel kind (its tile rows still to be set). */
+#define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                           \
+  do {                                                                              \
+    (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                \
+    (c)->probes = CM_PROBE_KERNELS(tier);                                           \
+    (c)->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(tier);    \
+    (c)->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(tier);        \
+    (c)->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(tier);          \
+    (c)->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier); \
+  } while (0)
+
 static void cm_config_init__avx2(cm_tier_config *c) {
-  c->elementwise = CM_ELEMENTWISE_KERNELS(avx2);
-  c->probes = CM_PROBE_KERNELS(avx2);
-  c->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(avx2);
-  c->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(avx2);
-  c->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(avx2);
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(avx2);
+  CM_OVERRIDE_EVERY_KERNEL(c, avx2);
   for (int s = 0; s < CM_SCHEME_COUNT; s++) c->gemm[s].mr = CM_TILE_MR_AVX2;
 }
 
 static void cm_config_init__avx512(cm_tier_config *c) {
-  c->elementwise = CM_ELEMENTWISE_KERNELS(avx512);
-  c->probes = CM_PROBE_KERNELS(avx512);
-  c->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(avx512);
-  c->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(avx512);
-  c->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(avx512);
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(avx512);
+  CM_OVERRIDE_EVERY_KERNEL(c, avx512);
   /* decode expands nibbles in registers and needs each row's sums per block */
   c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
   c->gemm[CPUMOE_SCHEME_INT4_W4A8].a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
