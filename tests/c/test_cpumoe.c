@@ -940,6 +940,18 @@ static cpumoe_status scalar_reference(moe_data *d, uint16_t *bits) {
   return st;
 }
 
+/* Whether two tiers must give the same bits: the same numerics class, or fp32-chain-daz
+ * against fp32-chain, which differ only where a denormal occurs (docs/NUMERICS.md) and the
+ * cases here make none. Across other classes the tolerance against the reference is the
+ * check. */
+static int same_bits_expected(cpumoe_isa a, cpumoe_isa b) {
+  const char *ca = cpumoe_isa_numerics(a), *cb = cpumoe_isa_numerics(b);
+  const size_t chain = strlen("fp32-chain");
+  return strcmp(ca, cb) == 0 ||
+         (strncmp(ca, "fp32-chain", chain) == 0 && strncmp(cb, "fp32-chain", chain) == 0 &&
+          (strcmp(ca + chain, "-daz") == 0 || strcmp(cb + chain, "-daz") == 0));
+}
+
 static void test_case(const moe_case *c) {
   moe_data d;
   make_data(c, &d);
@@ -967,15 +979,19 @@ static void test_case(const moe_case *c) {
       first = xmalloc(out_bytes);
       memcpy(first, d.out, out_bytes);
     } else {
-      CHECK(first_status == CPUMOE_OK && memcmp(first, d.out, out_bytes) == 0,
+      CHECK(first_status == CPUMOE_OK && (!same_bits_expected((cpumoe_isa)isa, CPUMOE_ISA_SCALAR) ||
+                                          memcmp(first, d.out, out_bytes) == 0),
             "%s: tier %s differs from scalar (scalar's status %d)", c->name, tier,
             (int)first_status);
     }
     /* several threads, unaligned workspace: the same bits */
+    uint16_t *serial = xmalloc(out_bytes);
+    memcpy(serial, d.out, out_bytes);
     g_runner_stats = (runner_stats){0, 0};
     st = run_op(&d, &g_threads, 1);
-    CHECK(st == CPUMOE_OK && memcmp(first, d.out, out_bytes) == 0,
+    CHECK(st == CPUMOE_OK && memcmp(serial, d.out, out_bytes) == 0,
           "%s [%s]: threaded run differs from serial (status %d)", c->name, tier, (int)st);
+    free(serial);
     CHECK(c->M * c->topk < 2 || g_runner_stats.calls > 0, "%s: the runner was never used", c->name);
   }
   use_tier(g_home);
@@ -1266,7 +1282,9 @@ static void test_isa(void) {
     CHECK(reason && strncmp(reason, cpumoe_isa_name(want), strlen(cpumoe_isa_name(want))) == 0,
           "cap %d: reason \"%s\" does not start with the active tier", i, reason ? reason : "");
   }
-  CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, "3");
+  char last_id[16]; /* the message names the valid range 0..count - 1 */
+  snprintf(last_id, sizeof last_id, "..%d", CPUMOE_ISA_COUNT - 1);
+  CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, last_id);
   CHECK_ERROR("cap -1", cpumoe_set_isa_cap((cpumoe_isa)-1), CPUMOE_EINVAL, "-1");
   CHECK(cpumoe_active_isa() == best, "a refused cap changed the active tier");
   use_tier(g_home);

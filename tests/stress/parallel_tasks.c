@@ -137,7 +137,7 @@ static int run_chains(int chains) {
     atomic_store(&c->bad, 0);
     const int64_t workers = 1 + rand() % MAX_WORKERS;
     const cpumoe_runner runner = {runners[i % 3], NULL, workers};
-    cm_parallel_stages(&runner, stages, c->stages, c);
+    cm_parallel_stages(&runner, stages, c->stages, c, NULL);
     for (int s = 0; s < c->stages; s++)
       for (int64_t t = 0; t < c->tasks[s]; t++)
         if (atomic_load(&c->runs[s][t]) != 1) {

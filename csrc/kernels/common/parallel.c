@@ -109,6 +109,7 @@ typedef struct stage_chain {
   _Atomic int64_t finished[CM_MAX_STAGES];
   _Atomic uint64_t segment[CM_MAX_STAGES][CM_MAX_WORKERS];
   int stages;
+  void (*worker_exit)(void);
 } stage_chain;
 
 /* Waits until the stage's count of finished tasks is complete: a few hundred pause-spins
@@ -141,19 +142,34 @@ static void run_chain(void *arg, int64_t worker) {
     if (ran) atomic_fetch_add_explicit(&c->finished[s], ran, memory_order_release);
     wait_for_stage(&c->finished[s], c->tasks[s]);
   }
+  if (c->worker_exit) c->worker_exit();
+}
+
+typedef struct worker_exit_job {
+  void (*fn)(void);
+} worker_exit_job;
+
+static void exit_worker(void *arg, int64_t worker) {
+  (void)worker;
+  ((const worker_exit_job *)arg)->fn();
 }
 
 void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int n_stages,
-                        void *ctx) {
+                        void *ctx, void (*worker_exit)(void)) {
   int64_t most = 0;
   for (int s = 0; s < n_stages; s++) most = stages[s].tasks > most ? stages[s].tasks : most;
   if (n_stages > CM_MAX_STAGES || most > INT32_MAX) { /* no op has that many: stage by stage */
     for (int s = 0; s < n_stages; s++)
       cm_parallel_tasks(runner, stages[s].tasks, stages[s].fn, ctx);
+    /* the runner's workers, as many as cm_parallel_tasks asked for */
+    worker_exit_job job = {worker_exit};
+    if (worker_exit)
+      cm_run_workers(runner, cm_worker_count(runner, CM_MAX_WORKERS), exit_worker, &job);
     return;
   }
   stage_chain c;
   c.stages = n_stages;
+  c.worker_exit = worker_exit;
   const int64_t workers = queue_workers(runner, most);
   for (int s = 0; s < n_stages; s++) {
     c.queue[s] =

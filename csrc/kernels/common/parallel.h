@@ -39,8 +39,9 @@ typedef struct cm_stage {
 /* cm_parallel_tasks for each stage in order, every task of a stage finished (its writes
  * visible) before any task of the next starts, in one request to the runner: the workers
  * wait for each other between stages instead of being started and joined once per stage,
- * which costs a small call most (docs/PERFORMANCE-HISTORY.md). */
+ * which costs a small call most (docs/PERFORMANCE-HISTORY.md). Then every worker calls
+ * worker_exit, if not NULL, on its own thread (to give back per-thread state, AMX tiles). */
 void cm_parallel_stages(const cpumoe_runner *runner, const cm_stage *stages, int n_stages,
-                        void *ctx);
+                        void *ctx, void (*worker_exit)(void));
 
 #endif

@@ -8,14 +8,14 @@
  * dispatch/config.c. Adding a scheme: new micro-kernel kinds here plus a packer.
  *
  * Shared operand layouts
- *   A panel  fp32 [k][a_stride]: mr <= a_stride token rows interleaved, so that the
- *            micro-kernel reads one contiguous strip of rows per k (the pipeline
- *            stores panels densely: a_stride = mr).
+ *   A panel  the token rows of a panel in the config's panel format (cm_panel_format): fp32
+ *            or bf16 interleaved per k (a_stride = rows per k step), u8 quads, or rows one
+ *            after another for tile loads (a_stride = elements per row).
  *   B tile   VNNI-2 16-bit [k/2][32][2]: one 32-column block of a packed weight
  *            (docs/FORMATS.md), i.e. 32 output channels over the whole reduction.
  *   C tile   fp32 [mr][32], row stride 32.
- * Every C element is one sequential fp32 FMA chain over k = 0..k-1 starting
- * from +0: each tier computes exactly the same bits.
+ * Every C element of the fp32-chain numerics class is one sequential fp32 FMA chain over
+ * k = 0..k-1 starting from +0; other classes are stated in docs/NUMERICS.md.
  */
 #ifndef CPUMOE_COMMON_UKERNELS_H
 #define CPUMOE_COMMON_UKERNELS_H
@@ -25,15 +25,17 @@
 
 #include "cpumoe/cpumoe.h"
 
-#define CM_NR 32 /* output channels per packed weight block and per C tile */
-#define CM_MR_MAX 16
+#define CM_NR 32     /* output channels per packed weight block and per C tile */
+#define CM_MR_MAX 32 /* rows of the widest panel: two AMX tiles of 16 */
 /* Longest int8 reduction with exact int32 sums: k * 255 * 128 < 2^31 (and 128 * 127 * k
  * for the compensation). */
 #define CM_INT8_MAX_REDUCTION 65536
 
-/* C[mr][32] = A_panel[k][a_stride] (rows 0..mr-1) x B_tile[k/2][32][2] */
-typedef void (*cm_gemm_f32acc_fn)(size_t mr, size_t k, const float *a_panel, size_t a_stride,
-                                  const uint16_t *b_tile, float *c);
+/* C[mr][32] (+)= A_panel (rows 0..mr-1, the config's panel format) x B: the 16-bit weights
+ * of a B tile (VNNI-2 [k/2][32][2]), or a chunk of quantized weights decoded once (its
+ * kernels' own decoded format). `accumulate` = 0 starts C from +0. */
+typedef void (*cm_gemm_fn)(size_t mr, size_t k, const void *a_panel, size_t a_stride, const void *b,
+                           float *c, int accumulate);
 
 /* Cache lines [start, start + 64 lines) that a micro-kernel prefetches while it runs, spread
  * evenly over its reduction loop: the weights that the calls after it will read. The
@@ -80,7 +82,9 @@ static inline __attribute__((always_inline)) void cm_prefetch_finish(cm_prefetch
 }
 
 /* INT8 W8A8 tile, exact integer part:
- *   acc[r][n] (+)= sum_{k<kc} A_panel[r][k] * B[k][n]    int32; A u8 [kc/4][a_stride][4],
+ *   acc[r][n] (+)= sum_{k<kc} A_panel[r][k] * B[k][n]    int32; A u8 in the config's format
+ *                                                        (U8_QUADS: [kc/4][a_stride][4];
+ *                                                        U8_ROWS: [rows][a_stride]),
  *                                                        B s8 VNNI-4 [kc/4][32][4]
  * `accumulate` = 0 starts from zero. Integer sums are exact, so a reduction may be split
  * into chunks (the pipeline does, to reuse each weight chunk across panels in cache).
@@ -102,15 +106,12 @@ typedef void (*cm_dequant_u8s8_fn)(size_t mr, const int32_t *acc, const int8_t *
  * (exact). Keeping the 2^-8 in C, not in the scale, keeps every finite scale usable.
  * Decode path: one call per K block (or the part of it inside the reduction), B fp8 VNNI-2
  * [kc/2][32][2], scale the columns' block scales; `accumulate` = 0 starts C from +0. */
-typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
+typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const void *a_panel, size_t a_stride,
                                const uint8_t *b, const float *scale, float *c, int accumulate);
-/* FP8 prefill path: dst fp32 [kc][32] = d of a chunk (a chunk never spans two K blocks),
- * decoded once ... */
-typedef void (*cm_fp8_to_f32_fn)(size_t kc, const uint8_t *b, float *dst);
-/* ... then P[mr][32] (+)= A_panel [kc][a_stride] x B fp32 [kc][32] over the block's chunks
- * (the same FMA chains), ... */
-typedef void (*cm_gemm_f32b_fn)(size_t mr, size_t kc, const float *a_panel, size_t a_stride,
-                                const float *b, float *c, int accumulate);
+/* FP8 prefill path: dst = d of a chunk (a chunk never spans two K blocks), decoded once into
+ * the format of the config's gemm_chunk kernel (fp32 [kc][32], or bf16 VNNI-2 [kc/2][32][2]),
+ * then P[mr][32] (+)= A_panel x that chunk (cm_gemm_fn) over the block's chunks ... */
+typedef void (*cm_fp8_decode_fn)(size_t kc, const uint8_t *b, void *dst);
 /* ... and at the block's end C[r][n] = fmaf(P[r][n], scale[n], accumulate ? C : +0). */
 typedef void (*cm_fp8_fold_fn)(size_t mr, const float *p, const float *scale, float *c,
                                int accumulate);
@@ -179,24 +180,29 @@ typedef enum cm_panel_format {
                           * per row (scale per row) */
   CM_PANEL_U8_QUADS_BLOCK_SUMS = 2, /* the same, plus int32 [blocks][rows]: each row's sum of
                                      * q over each of the scheme's reduction blocks */
-  CM_PANEL_FORMAT_COUNT = 3,
+  CM_PANEL_BF16_PAIRS = 3,          /* uint32 [k/2][rows]: bf16 elements k and k + 1 of a row in one
+                                     * dword, k in the high half (which vdpbf16ps takes first) */
+  CM_PANEL_BF16_ROWS = 4,           /* bf16 [rows][k]: rows one after another (AMX A tiles) */
+  CM_PANEL_U8_ROWS = 5, /* u8 [rows][k] of q + 128, quantized as U8_QUADS (AMX A tiles) */
+  CM_PANEL_FORMAT_COUNT = 6,
 } cm_panel_format;
 
 typedef struct cm_unquant_kernels {
-  cm_gemm_f32acc_fn gemm_bf16; /* B tile of bf16 weights */
-  cm_gemm_f32acc_fn gemm_f16;  /* B tile of fp16 weights */
+  cm_gemm_fn gemm;        /* B tile of 16-bit weights in the activation dtype */
+  cm_gemm_fn gemm_decode; /* blocks of up to decode_max_rows rows; NULL: none */
 } cm_unquant_kernels;
 
 typedef struct cm_int8_kernels {
   cm_gemm_u8s8_fn gemm;
+  cm_gemm_u8s8_fn gemm_decode; /* blocks of up to decode_max_rows rows; NULL: none */
   cm_dequant_u8s8_fn dequant;
 } cm_int8_kernels;
 
 typedef struct cm_fp8_kernels {
-  cm_gemm_fp8_fn gemm_decode; /* few rows: e4m3 decoded in registers */
-  cm_fp8_to_f32_fn to_f32;    /* more rows: a chunk decoded once ... */
-  cm_gemm_f32b_fn gemm_f32b;  /* ... multiplied by every panel ... */
-  cm_fp8_fold_fn fold;        /* ... and folded in with the block scale */
+  cm_gemm_fp8_fn gemm_decode;    /* few rows: e4m3 decoded in registers */
+  cm_fp8_decode_fn decode_chunk; /* more rows: a chunk decoded once ... */
+  cm_gemm_fn gemm_chunk;         /* ... multiplied by every panel ... */
+  cm_fp8_fold_fn fold;           /* ... and folded in with the block scale */
 } cm_fp8_kernels;
 
 typedef struct cm_int4_kernels {
@@ -206,16 +212,19 @@ typedef struct cm_int4_kernels {
   cm_int4_dequant_fn dequant;  /* ... and folded in per block with the group scale */
 } cm_int4_kernels;
 
-/* One (scheme, tier) pair: the GEMM kernels and the tile they are written for. */
+/* One (scheme, activation dtype, tier) triple: the GEMM kernels and the tile they are
+ * written for. */
 typedef struct cm_gemm_config {
   size_t mr;                /* rows per A panel: at most the kernels' tile rows, CM_MR_MAX */
   size_t nr;                /* columns per B tile and C tile: CM_NR */
   size_t kr;                /* k values interleaved per B column: 2 (VNNI-2) or 4 (VNNI-4) */
   cm_panel_format a_format; /* the A panels the kernels read */
   /* Blocks of up to this many rows take the scheme's decode kernel (weights expanded in
-   * registers, read once); larger ones decode each weight chunk once for all their panels.
-   * 0: no decode kernel. Not above the decode kernel's own tile rows. */
+   * registers, read once, or a vector kernel where a tile kernel would waste its rows),
+   * their panels packed in decode_a_format; larger ones take the main kernels. 0: no
+   * decode kernel. Not above the decode kernel's own tile rows. */
   size_t decode_max_rows;
+  cm_panel_format decode_a_format;
   union {
     cm_unquant_kernels unquant;
     cm_int8_kernels int8;
@@ -246,12 +255,18 @@ typedef struct cm_probe_kernels {
 } cm_probe_kernels;
 
 #define CM_SCHEME_COUNT 4 /* moe_comp_method values 0..3 (cpumoe_scheme) */
+/* Activation dtypes a config is chosen by: CPUMOE_DTYPE_BF16 (0) and CPUMOE_DTYPE_F16 (1). */
+#define CM_ACT_DTYPE_COUNT 2
 
 typedef struct cm_tier_config {
   cpumoe_isa isa;
   cm_elementwise_kernels elementwise;
   cm_probe_kernels probes;
-  cm_gemm_config gemm[CM_SCHEME_COUNT]; /* by cpumoe_scheme */
+  /* by cpumoe_scheme, then activation dtype */
+  cm_gemm_config gemm[CM_SCHEME_COUNT][CM_ACT_DTYPE_COUNT];
+  /* Called by every worker at the end of an op's stages when not NULL: gives back per-thread
+   * state the tier's kernels took during the op (AMX tiles). */
+  void (*end_op)(void);
 } cm_tier_config;
 
 /* The table of the active tier (dispatch/config.c). */
@@ -279,21 +294,21 @@ const cm_tier_config *cm_active_config(void);
   double cm_probe_read_chunk__##tier(const void *, size_t); \
   double cm_probe_fma_loop__##tier(int64_t);                \
   double cm_probe_int8_loop__##tier(int64_t);
-#define CM_DECLARE_UNQUANT(tier)                                                                  \
-  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *, \
-                                         float *);                                                \
-  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint16_t *,  \
-                                        float *);
+#define CM_DECLARE_UNQUANT(tier)                                                             \
+  void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *, \
+                                         float *, int);                                      \
+  void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *,  \
+                                        float *, int);
 #define CM_DECLARE_INT8(tier)                                                                     \
   void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
                                          int32_t *, int, cm_prefetch);                            \
   void cm_u8s8_dequant_mrx32__##tier(size_t, const int32_t *, const int8_t *, const float *,      \
                                      const float *, float *);
-#define CM_DECLARE_FP8(tier)                                                                    \
-  void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const uint8_t *, \
-                                        const float *, float *, int);                           \
-  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, float *);                                 \
-  void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const float *, size_t, const float *,   \
+#define CM_DECLARE_FP8(tier)                                                                   \
+  void cm_fp8_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const uint8_t *, \
+                                        const float *, float *, int);                          \
+  void cm_fp8_to_f32__##tier(size_t, const uint8_t *, void *);                                 \
+  void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *,    \
                                         float *, int);
 #define CM_DECLARE_INT4(tier)                                                                 \
   void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                \
@@ -315,6 +330,19 @@ CM_DECLARE_ALL_KERNELS(scalar)
 CM_DECLARE_ALL_KERNELS(avx2)
 CM_DECLARE_ALL_KERNELS(avx512)
 CM_DECLARE_INT4_DECODE(avx512)
+
+/* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
+void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,
+                                          float *, int);
+void cm_fp8_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
+                                         const float *, float *, int);
+void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
+
+/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c) */
+void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int);
+void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                  int32_t *, int, cm_prefetch);
+void cm_amx_end_op__amx(void);
 
 /* Preconditions of a kernel, checked in test builds (CPUMOE_CHECK_PRECONDITIONS, set by
  * tools/build_c_tests.py) and compiled out otherwise: a violation there aborts with the

@@ -24,6 +24,9 @@
 #define CM_TILE_MR_SCALAR 4
 #define CM_TILE_MR_AVX2 4
 #define CM_TILE_MR_AVX512 12
+#define CM_TILE_MR_AMX 32
+/* Blocks of up to this many rows stay on the vector kernels on the amx tier. */
+#define CM_AMX_MIN_ROWS 8
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
  * accumulators beside the weights they expand in registers. */
 #define CM_DECODE_MAX_ROWS 4
@@ -48,16 +51,17 @@
   ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, \
                       .fma = cm_probe_fma_loop__##tier,    \
                       .int8 = cm_probe_int8_loop__##tier})
-#define CM_UNQUANT_KERNELS(tier)                                        \
-  ((cm_unquant_kernels){.gemm_bf16 = cm_bf16_gemm_f32acc_mrx32__##tier, \
-                        .gemm_f16 = cm_f16_gemm_f32acc_mrx32__##tier})
-#define CM_INT8_KERNELS(tier)                                   \
-  ((cm_int8_kernels){.gemm = cm_u8s8_gemm_s32acc_mrx32__##tier, \
+/* 16-bit weights of one dtype (bf16 or f16) on fp32 panels */
+#define CM_UNQUANT_KERNELS(tier, dtype) \
+  ((cm_unquant_kernels){.gemm = cm_##dtype##_gemm_f32acc_mrx32__##tier})
+#define CM_INT8_KERNELS(tier)                                          \
+  ((cm_int8_kernels){.gemm = cm_u8s8_gemm_s32acc_mrx32__##tier,        \
+                     .gemm_decode = cm_u8s8_gemm_s32acc_mrx32__##tier, \
                      .dequant = cm_u8s8_dequant_mrx32__##tier})
 #define CM_FP8_KERNELS(tier)                                         \
   ((cm_fp8_kernels){.gemm_decode = cm_fp8_gemm_f32acc_mrx32__##tier, \
-                    .to_f32 = cm_fp8_to_f32__##tier,                 \
-                    .gemm_f32b = cm_f32_gemm_f32acc_mrx32__##tier,   \
+                    .decode_chunk = cm_fp8_to_f32__##tier,           \
+                    .gemm_chunk = cm_f32_gemm_f32acc_mrx32__##tier,  \
                     .fold = cm_fp8_fold__##tier})
 /* INT4 without a decode kernel: every block unpacks, then runs the tier's u8 x s8 GEMM */
 #define CM_INT4_UNPACK_KERNELS(tier)                                 \
@@ -68,57 +72,104 @@
 
 /* ---- each tier's overrides ---- */
 
-/* The portable defaults: every slot. */
+#define CM_BF16 CPUMOE_DTYPE_BF16
+#define CM_F16 CPUMOE_DTYPE_F16
+#define CM_UNQUANT CPUMOE_SCHEME_UNQUANT
+#define CM_INT8 CPUMOE_SCHEME_INT8_W8A8
+#define CM_FP8 CPUMOE_SCHEME_FP8_W8A16
+#define CM_INT4 CPUMOE_SCHEME_INT4_W4A8
+
+/* The portable defaults: every slot. Only the unquantized scheme's kernels depend on the
+ * activation dtype (the weights are in it); the others start alike for both. */
 static void cm_config_init__scalar(cm_tier_config *c) {
   c->elementwise = CM_ELEMENTWISE_KERNELS(scalar);
   c->probes = CM_PROBE_KERNELS(scalar);
-  c->gemm[CPUMOE_SCHEME_UNQUANT] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
-                                                    .nr = CM_NR,
-                                                    .kr = 2,
-                                                    .a_format = CM_PANEL_F32,
-                                                    .kernels.unquant = CM_UNQUANT_KERNELS(scalar)};
-  c->gemm[CPUMOE_SCHEME_INT8_W8A8] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
-                                                      .nr = CM_NR,
-                                                      .kr = 4,
-                                                      .a_format = CM_PANEL_U8_QUADS,
-                                                      .kernels.int8 = CM_INT8_KERNELS(scalar)};
-  c->gemm[CPUMOE_SCHEME_FP8_W8A16] = (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
-                                                      .nr = CM_NR,
-                                                      .kr = 2,
-                                                      .a_format = CM_PANEL_F32,
-                                                      .decode_max_rows = CM_DECODE_MAX_ROWS,
-                                                      .kernels.fp8 = CM_FP8_KERNELS(scalar)};
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8] =
-      (cm_gemm_config){.mr = CM_TILE_MR_SCALAR,
-                       .nr = CM_NR,
-                       .kr = 4,
-                       .a_format = CM_PANEL_U8_QUADS,
-                       .kernels.int4 = CM_INT4_UNPACK_KERNELS(scalar)};
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    const cm_gemm_config base = {.mr = CM_TILE_MR_SCALAR, .nr = CM_NR};
+    cm_gemm_config *g = &c->gemm[CM_UNQUANT][act];
+    *g = base, g->kr = 2, g->a_format = CM_PANEL_F32;
+    g->kernels.unquant =
+        act == CM_BF16 ? CM_UNQUANT_KERNELS(scalar, bf16) : CM_UNQUANT_KERNELS(scalar, f16);
+    g = &c->gemm[CM_INT8][act];
+    *g = base, g->kr = 4, g->a_format = CM_PANEL_U8_QUADS;
+    g->kernels.int8 = CM_INT8_KERNELS(scalar);
+    g = &c->gemm[CM_FP8][act];
+    *g = base, g->kr = 2, g->a_format = g->decode_a_format = CM_PANEL_F32;
+    g->decode_max_rows = CM_DECODE_MAX_ROWS;
+    g->kernels.fp8 = CM_FP8_KERNELS(scalar);
+    g = &c->gemm[CM_INT4][act];
+    *g = base, g->kr = 4, g->a_format = CM_PANEL_U8_QUADS;
+    g->kernels.int4 = CM_INT4_UNPACK_KERNELS(scalar);
+  }
 }
 
 /* A tier that has its own version of every kernel kind (its tile rows still to be set). */
-#define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                           \
-  do {                                                                              \
-    (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                \
-    (c)->probes = CM_PROBE_KERNELS(tier);                                           \
-    (c)->gemm[CPUMOE_SCHEME_UNQUANT].kernels.unquant = CM_UNQUANT_KERNELS(tier);    \
-    (c)->gemm[CPUMOE_SCHEME_INT8_W8A8].kernels.int8 = CM_INT8_KERNELS(tier);        \
-    (c)->gemm[CPUMOE_SCHEME_FP8_W8A16].kernels.fp8 = CM_FP8_KERNELS(tier);          \
-    (c)->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier); \
+#define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                            \
+  do {                                                                               \
+    (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                 \
+    (c)->probes = CM_PROBE_KERNELS(tier);                                            \
+    (c)->gemm[CM_UNQUANT][CM_BF16].kernels.unquant = CM_UNQUANT_KERNELS(tier, bf16); \
+    (c)->gemm[CM_UNQUANT][CM_F16].kernels.unquant = CM_UNQUANT_KERNELS(tier, f16);   \
+    for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {                             \
+      (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
+      (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
+      (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
+    }                                                                                \
   } while (0)
+
+/* every config of the tier */
+#define CM_FOR_EACH_GEMM(c, g)               \
+  for (cm_gemm_config *g = &(c)->gemm[0][0]; \
+       g < &(c)->gemm[0][0] + CM_SCHEME_COUNT * CM_ACT_DTYPE_COUNT; g++)
 
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
-  for (int s = 0; s < CM_SCHEME_COUNT; s++) c->gemm[s].mr = CM_TILE_MR_AVX2;
+  CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
 }
 
 static void cm_config_init__avx512(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx512);
-  /* decode expands nibbles in registers and needs each row's sums per block */
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8].kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8].a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
-  c->gemm[CPUMOE_SCHEME_INT4_W4A8].decode_max_rows = CM_DECODE_MAX_ROWS;
-  for (int s = 0; s < CM_SCHEME_COUNT; s++) c->gemm[s].mr = CM_TILE_MR_AVX512;
+  CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX512;
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    /* decode expands nibbles in registers and needs each row's sums per block */
+    cm_gemm_config *g = &c->gemm[CM_INT4][act];
+    g->kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
+    g->decode_a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
+    g->decode_max_rows = CM_DECODE_MAX_ROWS;
+  }
+}
+
+static void cm_config_init__avx512bf16(cm_tier_config *c) {
+  (void)c; /* vdpbf16ps kernels: wired in with their tests */
+}
+
+/* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles) for blocks of more than
+ * CM_AMX_MIN_ROWS rows; smaller blocks keep the vector kernels they had (a tile pass
+ * computes 16 rows whatever the panel holds). INT8 and INT4 run tdpbusd on the same VNNI-4
+ * weights; bf16 runs tdpbf16ps (its own numerics class, docs/NUMERICS.md). fp16 has no
+ * tile instruction here and keeps the vector kernels. */
+static void cm_config_init__amx(cm_tier_config *c) {
+  c->end_op = cm_amx_end_op__amx;
+  cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
+  g->decode_a_format = g->a_format;
+  g->kernels.unquant.gemm_decode = g->kernels.unquant.gemm;
+  g->decode_max_rows = CM_AMX_MIN_ROWS;
+  g->mr = CM_TILE_MR_AMX;
+  g->a_format = CM_PANEL_BF16_ROWS;
+  g->kernels.unquant.gemm = cm_bf16_gemm_rows_mrx32__amx;
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    g = &c->gemm[CM_INT8][act];
+    g->decode_a_format = g->a_format;
+    g->kernels.int8.gemm_decode = g->kernels.int8.gemm;
+    g->decode_max_rows = CM_AMX_MIN_ROWS;
+    g->mr = CM_TILE_MR_AMX;
+    g->a_format = CM_PANEL_U8_ROWS;
+    g->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
+    g = &c->gemm[CM_INT4][act];
+    g->mr = CM_TILE_MR_AMX;
+    g->a_format = CM_PANEL_U8_ROWS;
+    g->kernels.int4.gemm_u8s8 = cm_u8s8_gemm_rows_mrx32__amx;
+  }
 }
 
 /* ---- the tier list (cpumoe/tiers.h) as tables ---- */
@@ -153,12 +204,13 @@ typedef struct cm_dispatch_state {
   cpumoe_isa best;      /* best tier the CPU runs, or every tier in an emulating test build */
   cm_tier_config configs[CPUMOE_ISA_COUNT];
   char features_text[256];
+  char feature_note[200]; /* why a feature the CPU has is not used ("" if none) */
 } cm_dispatch_state;
 
 static cm_dispatch_state cm_state;
 static atomic_int cm_state_ready; /* 0: not probed, 1: probing, 2: ready */
 static atomic_int cm_active = -1; /* active tier, -1 until chosen */
-static char cm_reason[160];
+static char cm_reason[400];
 
 static void build_state(cm_dispatch_state *st) {
   static const struct {
@@ -169,7 +221,7 @@ static void build_state(cm_dispatch_state *st) {
       CM_FOR_EACH_CPU_FEATURE(CM_FEATURE_NAME)
 #undef CM_FEATURE_NAME
   };
-  st->features = cm_detect_cpu_features();
+  st->features = cm_detect_cpu_features(st->feature_note, sizeof st->feature_note);
   char *t = st->features_text;
   t[0] = '\0';
   for (size_t i = 0; i < sizeof feature_names / sizeof feature_names[0]; i++)
@@ -192,11 +244,10 @@ static void build_state(cm_dispatch_state *st) {
     row->init(c);
     c->isa = isa;
     /* test builds check each row against what the pipeline and the packed layouts assume */
-    for (int s = 0; s < CM_SCHEME_COUNT; s++) {
-      const cm_gemm_config *g = &c->gemm[s];
+    CM_FOR_EACH_GEMM(c, g) {
       CM_EXPECT(g->nr == CM_NR && g->mr >= 1 && g->mr <= CM_MR_MAX);
       CM_EXPECT((g->kr == 2 || g->kr == 4) && g->decode_max_rows <= g->mr);
-      CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT);
+      CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT && g->decode_a_format < CM_PANEL_FORMAT_COUNT);
     }
   }
 #ifdef CPUMOE_EMULATE_TIERS
@@ -233,6 +284,13 @@ static cpumoe_isa capped(cpumoe_isa cap) {
   return cap;
 }
 
+/* The reason, plus why a feature the CPU has is not used (AMX without the OS's permission). */
+static void append_feature_note(void) {
+  const char *note = dispatch_state()->feature_note;
+  const size_t len = strlen(cm_reason);
+  if (note[0]) snprintf(cm_reason + len, sizeof cm_reason - len, "; %s", note);
+}
+
 static cpumoe_isa choose_active(void) {
   const cpumoe_isa best = dispatch_state()->best;
   const char *best_name = cpumoe_isa_name(best);
@@ -253,6 +311,7 @@ static cpumoe_isa choose_active(void) {
   } else {
     snprintf(cm_reason, sizeof cm_reason, "%s (best supported by this CPU)", best_name);
   }
+  append_feature_note();
   return chosen;
 }
 
@@ -305,6 +364,7 @@ cpumoe_status cpumoe_set_isa_cap(cpumoe_isa isa) {
   else
     snprintf(cm_reason, sizeof cm_reason, "%s (set by cpumoe.set_isa; best supported: %s)",
              cpumoe_isa_name(chosen), cpumoe_isa_name(best));
+  append_feature_note();
   atomic_store(&cm_active, (int)chosen);
   return CPUMOE_OK;
 }

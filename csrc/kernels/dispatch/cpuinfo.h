@@ -2,6 +2,7 @@
 #ifndef CPUMOE_DISPATCH_CPUINFO_H
 #define CPUMOE_DISPATCH_CPUINFO_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* Every feature the tiers can require (cpumoe/tiers.h), with its name in
@@ -16,6 +17,7 @@
   X(AVX512BW, "avx512bw")          \
   X(AVX512VL, "avx512vl")          \
   X(AVX512VNNI, "avx512vnni")      \
+  X(AVX512VBMI, "avx512vbmi")      \
   X(AVX512BF16, "avx512bf16")      \
   X(AVX512FP16, "avx512fp16")      \
   X(AMX_TILE, "amx-tile")          \
@@ -32,7 +34,10 @@ enum {
 #define CM_FEATURE(id) (UINT64_C(1) << CM_FEATURE_INDEX_##id)
 
 /* The features this CPU has and whose register state the OS saves on a context switch
- * (a feature whose registers the OS does not save is unusable): a CM_FEATURE mask. */
-uint64_t cm_detect_cpu_features(void);
+ * (a feature whose registers the OS does not save is unusable): a CM_FEATURE mask. On
+ * Linux the AMX tile data also needs the process's permission, asked for here once
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); if the kernel refuses, the AMX features are left out
+ * and `note` (of `note_size` bytes, "" otherwise) says why. */
+uint64_t cm_detect_cpu_features(char *note, size_t note_size);
 
 #endif

@@ -7,10 +7,16 @@
  *   U8_QUADS             u8 [red/4][rows][4] of q + 128, q = round(v * 127 / absmax(row))
  *                        (half to even), scale absmax / 127 per row: x rows are quantized
  *                        once per token by prepare_token, mid rows once per slot.
- *   U8_QUADS_BLOCK_SUMS  U8_QUADS plus, for panels a decode kernel takes, each row's sum of
- *                        q over every reduction block of the scheme (int32 [blocks][rows]):
- *                        a decode kernel that multiplies unsigned weights by q subtracts
- *                        zero x that sum once per block.
+ *   U8_QUADS_BLOCK_SUMS  U8_QUADS plus each row's sum of q over every reduction block of
+ *                        the scheme (int32 [blocks][rows]): a decode kernel that multiplies
+ *                        unsigned weights by q subtracts zero x that sum once per block.
+ *   BF16_PAIRS           uint32 [red/2][rows]: elements k (high half) and k + 1 (low half)
+ *                        of a row per dword, so that vdpbf16ps, which adds the high pair's
+ *                        product first, sums in k order.
+ *   BF16_ROWS            bf16 [rows][red], U8_ROWS u8 [rows][red] (quantized as U8_QUADS):
+ *                        rows one after another, the A operand of tile loads.
+ * The 16-bit formats hold the activations' own values: x rows are bf16 already and mid rows
+ * were rounded to bf16 (gemm1), so narrowing them is exact.
  */
 #include <string.h>
 
@@ -29,7 +35,7 @@ static const float *row_chunk(const cm_run *r, const cm_panel *pn, int stage, si
 static void pack_f32(const cm_run *r, const cm_panel *pn, int stage) {
   const int64_t red = cm_stage_reduction(r, stage);
   const size_t rows = (size_t)pn->rows;
-  float *panel = (float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  float *panel = (float *)cm_panel_base(r, pn, stage);
   float tmp[CM_MR_MAX][CM_PACK_COLS];
   const float *src[CM_MR_MAX];
   for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
@@ -67,13 +73,51 @@ static void prepare_token_u8(const cm_run *r, int64_t t) {
   }
 }
 
-static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {
+/* The 16-bit rows of a panel, k in [k0, k0 + n): x's own bits (stage 1) or mid narrowed. */
+static const uint16_t *row_chunk16(const cm_run *r, const cm_panel *pn, int stage, size_t i,
+                                   int64_t k0, size_t n, uint16_t *tmp) {
+  const cpumoe_moe_problem *p = r->p;
+  if (stage == 1) {
+    const int64_t token = r->m0 + r->sorted[pn->first + (int64_t)i] / p->topk;
+    return (const uint16_t *)p->x + token * p->K + k0;
+  }
+  r->narrow(n, r->mid + (size_t)(pn->first + (int64_t)i) * (size_t)p->N + (size_t)k0, tmp);
+  return tmp;
+}
+
+static void pack_bf16_pairs(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = cm_stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  uint32_t *panel = (uint32_t *)cm_panel_base(r, pn, stage);
+  uint16_t tmp[CM_MR_MAX][CM_PACK_COLS];
+  const uint16_t *src[CM_MR_MAX];
+  for (int64_t k0 = 0; k0 < red; k0 += CM_PACK_COLS) {
+    const size_t n = (size_t)(red - k0 < CM_PACK_COLS ? red - k0 : CM_PACK_COLS);
+    for (size_t i = 0; i < rows; i++) src[i] = row_chunk16(r, pn, stage, i, k0, n, tmp[i]);
+    uint32_t *dst = panel + (size_t)k0 / 2 * rows;
+    for (size_t kp = 0; kp < n / 2; kp++)
+      for (size_t i = 0; i < rows; i++)
+        dst[kp * rows + i] = (uint32_t)src[i][2 * kp] << 16 | src[i][2 * kp + 1];
+  }
+}
+
+static void pack_bf16_rows(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = cm_stage_reduction(r, stage);
+  uint16_t *panel = (uint16_t *)cm_panel_base(r, pn, stage);
+  for (size_t i = 0; i < (size_t)pn->rows; i++) {
+    uint16_t *dst = panel + i * (size_t)red;
+    const uint16_t *src = row_chunk16(r, pn, stage, i, 0, (size_t)red, dst);
+    if (src != dst) memcpy(dst, src, (size_t)red * 2);
+  }
+}
+
+/* The quantized rows of a panel (x rows quantized once per token by prepare_token_u8, mid
+ * rows quantized here, once per slot), and their scales into a_scale. */
+static void u8_rows(const cm_run *r, const cm_panel *pn, int stage, const uint8_t **src) {
   const cpumoe_moe_problem *p = r->p;
   const int64_t red = cm_stage_reduction(r, stage);
   const size_t rows = (size_t)pn->rows;
-  uint8_t *panel = (uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
   float *scale = r->a_scale[stage - 1] + pn->first;
-  const uint8_t *src[CM_MR_MAX];
   for (size_t i = 0; i < rows; i++) {
     const int64_t pos = pn->first + (int64_t)i;
     if (stage == 1) { /* the token's row, quantized once by prepare_token_u8 */
@@ -88,17 +132,31 @@ static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {
       src[i] = q;
     }
   }
+}
+
+static void pack_u8_rows(const cm_run *r, const cm_panel *pn, int stage) {
+  const size_t red = (size_t)cm_stage_reduction(r, stage);
+  uint8_t *panel = (uint8_t *)cm_panel_base(r, pn, stage);
+  const uint8_t *src[CM_MR_MAX];
+  u8_rows(r, pn, stage, src);
+  for (size_t i = 0; i < (size_t)pn->rows; i++) memcpy(panel + i * red, src[i], red);
+}
+
+static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {
+  const int64_t red = cm_stage_reduction(r, stage);
+  const size_t rows = (size_t)pn->rows;
+  uint8_t *panel = (uint8_t *)cm_panel_base(r, pn, stage);
+  const uint8_t *src[CM_MR_MAX];
+  u8_rows(r, pn, stage, src);
   for (size_t kq = 0; kq < (size_t)red / 4; kq++)
     for (size_t i = 0; i < rows; i++) memcpy(panel + (kq * rows + i) * 4, src[i] + 4 * kq, 4);
 }
 
-/* Sums are made only for panels a decode kernel can take (larger ones never read them). */
 static void pack_u8_quads_block_sums(const cm_run *r, const cm_panel *pn, int stage) {
   pack_u8_quads(r, pn, stage);
-  if ((size_t)pn->rows > r->gemm->decode_max_rows) return;
   const int64_t red = cm_stage_reduction(r, stage), blocks = r->sum_blocks[stage - 1];
   const size_t bk = (size_t)(red / blocks), rows = (size_t)pn->rows;
-  const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
+  const uint8_t *panel = (const uint8_t *)cm_panel_base(r, pn, stage);
   int32_t *sums = r->q_sums[stage - 1] + (size_t)(pn->first * blocks);
   for (size_t b = 0; b < (size_t)blocks; b++)
     for (size_t i = 0; i < rows; i++) {
@@ -110,12 +168,23 @@ static void pack_u8_quads_block_sums(const cm_run *r, const cm_panel *pn, int st
 }
 
 const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT] = {
-    [CM_PANEL_F32] = {.prepare_token = NULL, .pack = pack_f32},
+    [CM_PANEL_F32] = {.pack = pack_f32, .elem_bytes = 4, .k_group = 1},
     [CM_PANEL_U8_QUADS] = {.prepare_token = prepare_token_u8,
                            .pack = pack_u8_quads,
-                           .quantized = 1},
+                           .quantized = 1,
+                           .elem_bytes = 1,
+                           .k_group = 4},
     [CM_PANEL_U8_QUADS_BLOCK_SUMS] = {.prepare_token = prepare_token_u8,
                                       .pack = pack_u8_quads_block_sums,
                                       .quantized = 1,
-                                      .block_sums = 1},
+                                      .block_sums = 1,
+                                      .elem_bytes = 1,
+                                      .k_group = 4},
+    [CM_PANEL_BF16_PAIRS] = {.pack = pack_bf16_pairs, .elem_bytes = 2, .k_group = 2},
+    [CM_PANEL_BF16_ROWS] = {.pack = pack_bf16_rows, .elem_bytes = 2, .k_group = 0},
+    [CM_PANEL_U8_ROWS] = {.prepare_token = prepare_token_u8,
+                          .pack = pack_u8_rows,
+                          .quantized = 1,
+                          .elem_bytes = 1,
+                          .k_group = 0},
 };

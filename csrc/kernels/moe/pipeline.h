@@ -60,7 +60,9 @@
 typedef struct cm_panel {
   int32_t expert;
   int32_t rows;
-  int64_t first; /* position of its first slot in the sorted slot list */
+  int64_t first;  /* position of its first slot in the sorted slot list */
+  int32_t decode; /* its block takes the decode kernel (at most decode_max_rows rows): the
+                   * panel is packed in decode_a_format */
 } cm_panel;
 
 typedef struct cm_block {
@@ -102,8 +104,12 @@ typedef struct cm_panel_packer {
    * reduction K; 2: mid rows, reduction N), with per-row scales and sums if the format
    * has them. */
   void (*pack)(const cm_run *r, const cm_panel *pn, int stage);
-  int quantized;  /* rows quantized to u8 (x once per token, mid rows per slot) */
-  int block_sums; /* per row and reduction block, the sum of q */
+  int quantized;     /* rows quantized to u8 (x once per token, mid rows per slot) */
+  int block_sums;    /* per row and reduction block, the sum of q */
+  size_t elem_bytes; /* bytes per element */
+  /* elements of one row per k step (1 fp32, 2 bf16 pairs, 4 u8 quads: the panel is
+   * [red / group][rows][group]), or 0: rows one after another ([rows][red]) */
+  size_t k_group;
 } cm_panel_packer;
 
 extern const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT];
@@ -114,7 +120,8 @@ struct cm_run {
   const cm_elementwise_kernels *ew;
   const cm_gemm_config *gemm; /* the (scheme, tier) config */
   const cm_scheme_traits *traits;
-  const cm_panel_packer *packer;
+  const cm_panel_packer *packer;        /* panels of the main kernels ... */
+  const cm_panel_packer *decode_packer; /* ... and of the decode kernel */
   cm_widen_fn widen;
   cm_narrow_fn narrow;
   cm_round_fn round16;
@@ -174,6 +181,29 @@ static inline int64_t cm_block_rows(const cm_run *r, const cm_block *blk) {
 /* The reduction of gemm `stage`: K for the gate/up projection, N for the down one. */
 static inline int64_t cm_stage_reduction(const cm_run *r, int stage) {
   return stage == 1 ? r->p->K : r->p->N;
+}
+
+/* Rows a tile kernel may read past a row-major panel's last row (AMX loads whole 16-row
+ * tiles; the C rows made from them are dropped): the A regions end with this many rows of
+ * slack. */
+#define CM_PANEL_SLACK_ROWS 16
+
+/* Where panel pn's A operand starts: every slot owns 4 bytes per reduction element in the
+ * A region, whatever the format (fp32 is the widest), so that panels of the two formats of
+ * one config (main and decode) never overlap. */
+static inline char *cm_panel_base(const cm_run *r, const cm_panel *pn, int stage) {
+  return (char *)r->a[stage - 1] + (size_t)pn->first * (size_t)cm_stage_reduction(r, stage) * 4;
+}
+
+/* The A operand of panel pn for gemm `stage` from reduction step k0 on, and the a_stride its
+ * kernels take (rows per k step for interleaved formats, elements per row for row-major). */
+static inline const void *cm_panel_operand(const cm_run *r, const cm_panel *pn, int stage,
+                                           int64_t k0, size_t *a_stride) {
+  const cm_panel_packer *f = pn->decode ? r->decode_packer : r->packer;
+  const size_t red = (size_t)cm_stage_reduction(r, stage), rows = (size_t)pn->rows;
+  const char *panel = cm_panel_base(r, pn, stage);
+  *a_stride = f->k_group ? rows : red;
+  return panel + (size_t)k0 * (f->k_group ? rows : 1) * f->elem_bytes;
 }
 
 /* Panel q's equal share of the `bytes` at `next` (see cm_prefetch, common/ukernels.h). */

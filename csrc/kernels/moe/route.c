@@ -2,7 +2,8 @@
  * Routing of one chunk: the chunk's slots (token, j) counting-sorted by expert, stable, so
  * each expert's slots are consecutive and in token order; each expert's run cut into
  * panels of at most mr rows, and consecutive panels into blocks of up to
- * CM_PANELS_PER_BLOCK that share one pass over each weight tile. Serial: it is a few
+ * CM_PANELS_PER_BLOCK that share one pass over each weight tile; a block of at most the
+ * config's decode_max_rows rows marks its panels for the decode kernel. Serial: it is a few
  * passes over M * topk integers.
  */
 #include <string.h>
@@ -47,6 +48,10 @@ void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights
     for (int64_t b = expert_first_block; b < n_blocks; b++) {
       blocks[b].expert_first_block = (int32_t)expert_first_block;
       blocks[b].expert_blocks = (int32_t)(n_blocks - expert_first_block);
+      cm_panel *first = &panels[blocks[b].first_panel], *last = first + blocks[b].panels - 1;
+      const int decode =
+          (size_t)(last->first + last->rows - first->first) <= r->gemm->decode_max_rows;
+      for (cm_panel *pn = first; pn <= last; pn++) pn->decode = decode;
     }
   }
   /* stable scatter: slots in increasing index order within each expert */

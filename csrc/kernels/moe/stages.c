@@ -29,19 +29,30 @@ static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t til
   return &blocks[any->expert_first_block + local % any->expert_blocks];
 }
 
+/* The per-token step of the panels' formats (both formats of a config that quantize
+ * share it: prepare_token_u8). */
+static void (*prepare_token_of(const cm_run *r))(const cm_run *, int64_t) {
+  if (r->packer->prepare_token) return r->packer->prepare_token;
+  return r->gemm->decode_max_rows ? r->decode_packer->prepare_token : NULL;
+}
+
 static void prepare_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
-  r->packer->prepare_token(r, t);
+  prepare_token_of(r)(r, t);
+}
+
+static void pack_panel(const cm_run *r, const cm_panel *pn, int stage) {
+  (pn->decode ? r->decode_packer : r->packer)->pack(r, pn, stage);
 }
 
 static void pack1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
-  r->packer->pack(r, &r->panels[t], 1);
+  pack_panel(r, &r->panels[t], 1);
 }
 
 static void pack2_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
-  r->packer->pack(r, &r->panels[t], 2);
+  pack_panel(r, &r->panels[t], 2);
 }
 
 static void gemm1_task(void *ctx, int64_t t) {
@@ -126,9 +137,10 @@ static void reduce_task(void *ctx, int64_t t) {
   }
 }
 
-/* The tier's config for the problem's scheme; NULL if the scheme is unknown. */
+/* The tier's config for the problem's scheme and activation dtype; NULL if the scheme is
+ * unknown (validated problems have a bf16 or fp16 activation dtype). */
 static const cm_gemm_config *gemm_config(const cm_tier_config *tier, const cpumoe_moe_problem *p) {
-  return cm_scheme_traits_of(p->scheme) ? &tier->gemm[p->scheme] : NULL;
+  return cm_scheme_traits_of(p->scheme) ? &tier->gemm[p->scheme][p->act_dtype] : NULL;
 }
 
 size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
@@ -158,6 +170,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
       .gemm = gemm,
       .traits = cm_scheme_traits_of(p->scheme),
       .packer = &cm_panel_packers[gemm->a_format],
+      .decode_packer = &cm_panel_packers[gemm->decode_a_format],
       .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
       .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
@@ -190,14 +203,11 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
     const cm_stage stages[] = {
-        {r.packer->prepare_token ? r.mc : 0, prepare_task},
-        {n_panels, pack1_task},
-        {r.n_blocks * r.n_tiles1, gemm1_task},
-        {n_panels, pack2_task},
-        {r.n_blocks * r.n_tiles2, gemm2_task},
-        {r.mc, reduce_task},
+        {prepare_token_of(&r) ? r.mc : 0, prepare_task}, {n_panels, pack1_task},
+        {r.n_blocks * r.n_tiles1, gemm1_task},           {n_panels, pack2_task},
+        {r.n_blocks * r.n_tiles2, gemm2_task},           {r.mc, reduce_task},
     };
-    cm_parallel_stages(runner, stages, (int)(sizeof stages / sizeof stages[0]), &r);
+    cm_parallel_stages(runner, stages, (int)(sizeof stages / sizeof stages[0]), &r, tier->end_op);
   }
   return CPUMOE_OK;
 }

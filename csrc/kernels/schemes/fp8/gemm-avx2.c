@@ -87,20 +87,21 @@ static inline __attribute__((always_inline)) void gemm_f32b_body(const int mr, s
   gemm_f32b_half(mr, kc, a, as, b, c, accumulate, 16);
 }
 
-void cm_fp8_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as,
+void cm_fp8_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const void *a, size_t as,
                                     const uint8_t *b, const float *scale, float *c,
                                     int accumulate) {
   CM_EXPECT(kc % 2 == 0 && as >= mr);
-  CM_MR_SWITCH4(gemm_body, kc, a, as, b, scale, c, accumulate)
+  CM_MR_SWITCH4(gemm_body, kc, (const float *)a, as, b, scale, c, accumulate)
 }
 
-void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const float *a, size_t as, const float *b,
+void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const void *a, size_t as, const void *b,
                                     float *c, int accumulate) {
   CM_EXPECT(as >= mr);
-  CM_MR_SWITCH4(gemm_f32b_body, kc, a, as, b, c, accumulate)
+  CM_MR_SWITCH4(gemm_f32b_body, kc, (const float *)a, as, (const float *)b, c, accumulate)
 }
 
-void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, float *dst) {
+void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, void *out) {
+  float *dst = (float *)out;
   for (size_t kp = 0; kp < kc / 2; kp++)
     for (int col0 = 0; col0 < CM_NR; col0 += 8) {
       __m256 e, o;

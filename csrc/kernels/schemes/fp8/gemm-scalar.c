@@ -13,10 +13,11 @@ static float decoded(const uint8_t *b, size_t k, size_t n) {
   return cm_e4m3_to_f32_scaled(b[(k / 2) * 2 * CM_NR + 2 * n + (k & 1)]);
 }
 
-void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
+void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const void *panel, size_t as,
                                       const uint8_t *b, const float *scale, float *c,
                                       int accumulate) {
   CM_EXPECT(kc % 2 == 0 && as >= mr && mr >= 1 && mr <= CM_MR_MAX);
+  const float *a = (const float *)panel;
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {
       float p = 0.0f;
@@ -25,9 +26,10 @@ void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size
     }
 }
 
-void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size_t as,
-                                      const float *b, float *c, int accumulate) {
+void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const void *panel, size_t as,
+                                      const void *chunk, float *c, int accumulate) {
   CM_EXPECT(as >= mr && mr >= 1 && mr <= CM_MR_MAX);
+  const float *a = (const float *)panel, *b = (const float *)chunk;
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++) {
       float acc = accumulate ? c[r * CM_NR + n] : 0.0f;
@@ -36,7 +38,8 @@ void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const float *a, size
     }
 }
 
-void cm_fp8_to_f32__scalar(size_t kc, const uint8_t *b, float *dst) {
+void cm_fp8_to_f32__scalar(size_t kc, const uint8_t *b, void *out) {
+  float *dst = (float *)out;
   for (size_t k = 0; k < kc; k++)
     for (size_t n = 0; n < CM_NR; n++) dst[k * CM_NR + n] = decoded(b, k, n);
 }

@@ -37,8 +37,9 @@ static int64_t scale_bytes_fp8(const cpumoe_moe_problem *p, int stage) {
  * block's products are summed unscaled, then folded in with the block's scale
  * (common/ukernels.h). A block of few rows decodes in registers, one call per K block
  * (decode: weights are read once); a block with more converts each chunk of a K block
- * once into an L1-resident fp32 buffer, runs all its panels on it into per-panel block
- * sums, and folds those at the K block's end. Both give the same bits. */
+ * once into an L1-resident buffer (fp32 or bf16, the config's gemm_chunk kernel's B), runs
+ * all its panels on it into per-panel block sums, and folds those at the K block's end.
+ * Within a numerics class both give the same bits. */
 static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                            float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -52,9 +53,9 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
                      (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
   const float *scales =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(expert * n_blocks * k_blocks);
-  const int convert = (size_t)cm_block_rows(r, blk) > r->gemm->decode_max_rows;
+  const int convert = !r->panels[blk->first_panel].decode;
   float col_scale[CM_NR];
-  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR];
+  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR];                    /* room for fp32 values */
   CM_ALIGNED float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   /* stepped from column to column, not divided per column */
@@ -72,24 +73,24 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
       for (int32_t q = 0; q < blk->panels; q++) {
         const cm_panel *pn = &r->panels[blk->first_panel + q];
         const size_t rows = (size_t)pn->rows;
-        const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red +
-                             (size_t)k_begin * rows;
-        k->gemm_decode(rows, (size_t)(k_end - k_begin), panel, rows, w + k_begin * CM_NR, col_scale,
-                       cq, kb > 0);
+        size_t a_stride;
+        const void *panel = cm_panel_operand(r, pn, stage, k_begin, &a_stride);
+        k->gemm_decode(rows, (size_t)(k_end - k_begin), panel, a_stride, w + k_begin * CM_NR,
+                       col_scale, cq, kb > 0);
         cq += rows * CM_NR;
       }
       continue;
     }
     for (int64_t k0 = k_begin; k0 < k_end; k0 += CM_FP8_KC) {
       const int64_t kc = k_end - k0 < CM_FP8_KC ? k_end - k0 : CM_FP8_KC;
-      k->to_f32((size_t)kc, w + k0 * CM_NR, decoded);
+      k->decode_chunk((size_t)kc, w + k0 * CM_NR, decoded);
       float *sq = sums;
       for (int32_t q = 0; q < blk->panels; q++) {
         const cm_panel *pn = &r->panels[blk->first_panel + q];
         const size_t rows = (size_t)pn->rows;
-        const float *panel =
-            (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red + (size_t)k0 * rows;
-        k->gemm_f32b(rows, (size_t)kc, panel, rows, decoded, sq, k0 > k_begin);
+        size_t a_stride;
+        const void *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
+        k->gemm_chunk(rows, (size_t)kc, panel, a_stride, decoded, sq, k0 > k_begin);
         sq += rows * CM_NR;
       }
     }

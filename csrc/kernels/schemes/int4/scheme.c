@@ -69,14 +69,14 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
   const int64_t expert = r->panels[blk->first_panel].expert;
   const cm_int4_tile w = int4_tile(r, stage, expert, row0);
   const size_t bk = w.bk, k_blocks = (size_t)cm_stage_reduction(r, stage) / bk;
-  const uint8_t *panels = (const uint8_t *)r->a[stage - 1];
-  const size_t red = (size_t)cm_stage_reduction(r, stage);
-  if (k->gemm_decode && (size_t)cm_block_rows(r, blk) <= r->gemm->decode_max_rows) {
+  if (r->panels[blk->first_panel].decode) {
     float *cq = c;
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
-      k->gemm_decode((size_t)pn->rows, &w, 0, k_blocks, panels + (size_t)pn->first * red,
-                     (size_t)pn->rows, r->q_sums[stage - 1] + (size_t)pn->first * k_blocks, cq, 0);
+      size_t a_stride;
+      const uint8_t *panel = cm_panel_operand(r, pn, stage, 0, &a_stride);
+      k->gemm_decode((size_t)pn->rows, &w, 0, k_blocks, panel, a_stride,
+                     r->q_sums[stage - 1] + (size_t)pn->first * k_blocks, cq, 0);
       cq += (size_t)pn->rows * CM_NR;
     }
   } else {
@@ -96,9 +96,10 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
         const size_t rows = (size_t)pn->rows;
         for (size_t b = 0; b < nb; b++) {
           const size_t kb = kb0 + b;
+          size_t a_stride;
+          const uint8_t *panel = cm_panel_operand(r, pn, stage, (int64_t)(kb * bk), &a_stride);
           k->gemm_u8s8(
-              rows, bk, panels + (size_t)pn->first * red + kb * bk * rows, rows,
-              unpacked + b * bk * CM_NR, acc, 0,
+              rows, bk, panel, a_stride, unpacked + b * bk * CM_NR, acc, 0,
               cm_prefetch_share(next_chunk, next_bytes, q * (int32_t)nb + (int32_t)b, calls));
           k->dequant(rows, acc, w.blocks + kb * cm_int4_block_bytes(bk) + 16 * bk,
                      w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);

@@ -41,17 +41,18 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
                     (size_t)expert * (size_t)(out_rows * (red + 4)) + (size_t)(row0 * (red + 4));
   const float *w_scale =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
+  const cm_gemm_u8s8_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
   CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
   for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
     const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
-      const uint8_t *panel = (const uint8_t *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
-      k->gemm((size_t)pn->rows, kc, panel + (size_t)k0 * (size_t)pn->rows, (size_t)pn->rows,
-              w + k0 * CM_NR, acc[q], k0 > 0,
-              blk->panels == 1 ? CM_PREFETCH_SELF
-                               : cm_prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR,
-                                                   CM_INT8_KC * CM_NR, q, blk->panels));
+      size_t a_stride;
+      const uint8_t *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
+      gemm((size_t)pn->rows, kc, panel, a_stride, w + k0 * CM_NR, acc[q], k0 > 0,
+           blk->panels == 1 ? CM_PREFETCH_SELF
+                            : cm_prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR, CM_INT8_KC * CM_NR,
+                                                q, blk->panels));
     }
   }
   for (int32_t q = 0; q < blk->panels; q++) {

@@ -42,9 +42,10 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
 static inline __attribute__((always_inline)) void gemm_half(const int mr, weight_kind kind,
                                                             size_t k, const float *restrict a,
                                                             size_t as, const uint16_t *restrict b,
-                                                            float *restrict c, int col0) {
+                                                            float *restrict c, int accumulate,
+                                                            int col0) {
   __m256 acc0[MR], acc1[MR];
-  cm_tile_load__avx2(mr, acc0, acc1, c, col0, 0);
+  cm_tile_load__avx2(mr, acc0, acc1, c, col0, accumulate);
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64 + col0 * 2;
     /* software prefetch for the DRAM stream of decode (see gemm-avx512.c) */
@@ -60,19 +61,20 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
                                                             size_t k, const float *a, size_t as,
-                                                            const uint16_t *b, float *c) {
-  gemm_half(mr, kind, k, a, as, b, c, 0);
-  gemm_half(mr, kind, k, a, as, b, c, 16);
+                                                            const uint16_t *b, float *c,
+                                                            int accumulate) {
+  gemm_half(mr, kind, k, a, as, b, c, accumulate, 0);
+  gemm_half(mr, kind, k, a, as, b, c, accumulate, 16);
 }
 
-void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
-                                     const uint16_t *b, float *c) {
+void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                     float *c, int accumulate) {
   CM_EXPECT(k % 2 == 0 && as >= mr);
-  CM_MR_SWITCH4(gemm_body, W_BF16, k, a, as, b, c)
+  CM_MR_SWITCH4(gemm_body, W_BF16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }
 
-void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const float *a, size_t as,
-                                    const uint16_t *b, float *c) {
+void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                    float *c, int accumulate) {
   CM_EXPECT(k % 2 == 0 && as >= mr);
-  CM_MR_SWITCH4(gemm_body, W_F16, k, a, as, b, c)
+  CM_MR_SWITCH4(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }

@@ -47,9 +47,9 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
 static inline __attribute__((always_inline)) void gemm_body(const int mr, weight_kind kind,
                                                             size_t k, const float *restrict a,
                                                             size_t as, const uint16_t *restrict b,
-                                                            float *restrict c) {
+                                                            float *restrict c, int accumulate) {
   __m512 acc0[MR], acc1[MR];
-  cm_tile_load__avx512(mr, acc0, acc1, c, 0);
+  cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64;
     /* Weights stream from DRAM once per call (decode): ask for them ahead so that more
@@ -65,14 +65,14 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
   cm_tile_store__avx512(mr, acc0, acc1, c);
 }
 
-void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
-                                       const uint16_t *b, float *c) {
+void cm_bf16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                       float *c, int accumulate) {
   CM_EXPECT(k % 2 == 0 && as >= mr);
-  CM_MR_SWITCH12(gemm_body, W_BF16, k, a, as, b, c)
+  CM_MR_SWITCH12(gemm_body, W_BF16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }
 
-void cm_f16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const float *a, size_t as,
-                                      const uint16_t *b, float *c) {
+void cm_f16_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                      float *c, int accumulate) {
   CM_EXPECT(k % 2 == 0 && as >= mr);
-  CM_MR_SWITCH12(gemm_body, W_F16, k, a, as, b, c)
+  CM_MR_SWITCH12(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }

@@ -1,7 +1,8 @@
 /*
  * Scheme UNQUANT (moe_comp_method 0): bf16 or fp16 weights in the activation dtype, packed
- * VNNI-2 (pack/pack-vnni2.c). Panels are fp32; each C element is one fp32 FMA chain over
- * the whole reduction, one kernel call per panel.
+ * VNNI-2 (pack/pack-vnni2.c). One kernel call per panel over the whole reduction: the
+ * config's kernel, or its decode kernel for a block of few rows (a tile kernel would
+ * compute mostly empty rows there).
  */
 #include "moe/pipeline.h"
 
@@ -20,13 +21,14 @@ static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, 
   const int64_t red = cm_stage_reduction(r, stage);
   const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
   const cm_unquant_kernels *k = &r->gemm->kernels.unquant;
-  const cm_gemm_f32acc_fn gemm = p->act_dtype == CPUMOE_DTYPE_BF16 ? k->gemm_bf16 : k->gemm_f16;
+  const cm_gemm_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
   for (int32_t q = 0; q < blk->panels; q++) {
     const cm_panel *pn = &r->panels[blk->first_panel + q];
     const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
                         (size_t)pn->expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
-    const float *panel = (const float *)r->a[stage - 1] + (size_t)pn->first * (size_t)red;
-    gemm((size_t)pn->rows, (size_t)red, panel, (size_t)pn->rows, w, c);
+    size_t a_stride;
+    const void *panel = cm_panel_operand(r, pn, stage, 0, &a_stride);
+    gemm((size_t)pn->rows, (size_t)red, panel, a_stride, w, c, 0);
     c += (size_t)pn->rows * CM_NR;
   }
 }

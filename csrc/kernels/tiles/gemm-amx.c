@@ -1,0 +1,203 @@
+/*
+ * AMX tile GEMMs, shared by the schemes of the amx tier (config: dispatch/config.c).
+ *
+ *   bf16:  C[mr][32] (+)= A x B   fp32; A bf16 [mr][a_stride] rows (BF16_ROWS panels),
+ *          B bf16 VNNI-2 [k/2][32][2] (a packed weight tile, or FP8 decoded to bf16).
+ *   u8s8:  acc[mr][32] (+)= A x B int32; A u8 [mr][a_stride] rows (U8_ROWS panels, q + 128),
+ *          B s8 VNNI-4 [kc/4][32][4] (a packed INT8 tile, or INT4 unpacked).
+ *   mr <= 32. C and acc have row stride 32.
+ *
+ * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
+ * a k quad in VNNI-4) is 128 bytes, so one tile load with stride 128 takes columns 0..15
+ * (16 k-rows x 64 bytes) and another at +64 bytes columns 16..31. A panel's rows one after
+ * another are A tiles (16 rows x 64 bytes at stride a_stride elements).
+ *
+ * Tiles, one configuration for both kernels (every tile 16 rows x 64 bytes):
+ *   0..3  C: rows 0..15 / 16..31 x columns 0..15 / 16..31
+ *   4, 5  A: rows 0..15, 16..31
+ *   6, 7  B: columns 0..15, 16..31
+ * 2 A + 2 B loads feed 4 dot products per k step (32 k of bf16, 64 k of u8): the 2 x 2
+ * register blocking that fits 8 tiles. A panel of up to 16 rows skips the second row
+ * of tiles. Tile loads read whole 16-row tiles: rows past mr come from the next panel or
+ * the A region's slack (CM_PANEL_SLACK_ROWS) and make C rows that are never stored. A
+ * reduction that is not a whole number of k steps ends with one step on zero-padded copies
+ * of its tail.
+ *
+ * Each worker loads the configuration at its first tile kernel of an op and releases the
+ * tiles when the op ends (cm_amx_end_op, the tier's end_op): ldtilecfg costs as much as a
+ * few dot products, and a thread holding tiles makes every context switch save 8 KiB.
+ *
+ * Numerics: integer sums are exact, so u8s8 gives every tier's bits. tdpbf16ps sums each
+ * k step's 16 pairs as two fp32 chains (even and odd elements) and adds their sum to C:
+ * the amx-bf16 numerics class (docs/NUMERICS.md).
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "common/ukernels.h"
+
+#define CM_AMX_TILE_ROWS 16
+#define CM_AMX_TILE_BYTES 64    /* bytes per tile row */
+#define CM_AMX_B_ROW_BYTES 128  /* bytes per k-row of a packed 32-column block */
+#define CM_AMX_PREFETCH_STEPS 4 /* B prefetched this many k steps ahead */
+
+/* tile numbers: macros, not an enum, since the intrinsics paste them into the asm */
+#define TC00 0
+#define TC01 1
+#define TC10 2
+#define TC11 3
+#define TA0 4
+#define TA1 5
+#define TB0 6
+#define TB1 7
+
+typedef struct cm_amx_tile_config {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} cm_amx_tile_config;
+
+static _Thread_local int cm_amx_configured;
+
+static void configure_tiles(void) {
+  if (cm_amx_configured) return;
+  _Alignas(64) cm_amx_tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) cfg.colsb[t] = CM_AMX_TILE_BYTES, cfg.rows[t] = CM_AMX_TILE_ROWS;
+  _tile_loadconfig(&cfg);
+  cm_amx_configured = 1;
+}
+
+void cm_amx_end_op__amx(void) {
+  if (!cm_amx_configured) return;
+  _tile_release();
+  cm_amx_configured = 0;
+}
+
+/* C tiles from c (row stride 32 floats or ints) or zero; c holds mr rows, so a panel of
+ * other than 16 or 32 rows goes through a full-size copy. */
+#define CM_AMX_C_STRIDE (CM_NR * 4)
+
+static inline __attribute__((always_inline)) void load_c(int two, const void *c, int accumulate) {
+  if (!accumulate) {
+    _tile_zero(TC00);
+    _tile_zero(TC01);
+    if (two) {
+      _tile_zero(TC10);
+      _tile_zero(TC11);
+    }
+    return;
+  }
+  const char *p = (const char *)c;
+  _tile_loadd(TC00, p, CM_AMX_C_STRIDE);
+  _tile_loadd(TC01, p + 64, CM_AMX_C_STRIDE);
+  if (two) {
+    _tile_loadd(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
+    _tile_loadd(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
+  }
+}
+
+static inline __attribute__((always_inline)) void store_c(int two, void *c) {
+  char *p = (char *)c;
+  _tile_stored(TC00, p, CM_AMX_C_STRIDE);
+  _tile_stored(TC01, p + 64, CM_AMX_C_STRIDE);
+  if (two) {
+    _tile_stored(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
+    _tile_stored(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
+  }
+}
+
+/* One k step: A rows at a (stride a_bytes), B k-rows at b (stride b_bytes). */
+#define CM_AMX_STEP(DP, two, a, a_bytes, b, b_bytes)                    \
+  do {                                                                  \
+    _tile_loadd(TB0, (b), (b_bytes));                                   \
+    _tile_loadd(TB1, (const char *)(b) + CM_AMX_TILE_BYTES, (b_bytes)); \
+    _tile_loadd(TA0, (a), (a_bytes));                                   \
+    DP(TC00, TA0, TB0);                                                 \
+    DP(TC01, TA0, TB1);                                                 \
+    if (two) {                                                          \
+      _tile_loadd(TA1, (const char *)(a) + 16 * (a_bytes), (a_bytes));  \
+      DP(TC10, TA1, TB0);                                               \
+      DP(TC11, TA1, TB1);                                               \
+    }                                                                   \
+  } while (0)
+
+/* The last, partial k step: its `tail` bytes of each A row and its b_rows k-rows of B,
+ * copied into zeroed full tiles (zero products leave the sums as they are). */
+typedef struct tail_tiles {
+  _Alignas(64) uint8_t a[2 * CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
+  _Alignas(64) uint8_t b[CM_AMX_TILE_ROWS][CM_AMX_B_ROW_BYTES];
+} tail_tiles;
+
+static void fill_tail(tail_tiles *t, size_t mr, const uint8_t *a, size_t a_bytes, size_t tail,
+                      const uint8_t *b, size_t b_rows) {
+  memset(t, 0, sizeof *t);
+  for (size_t i = 0; i < mr; i++) memcpy(t->a[i], a + i * a_bytes, tail);
+  memcpy(t->b, b, b_rows * CM_AMX_B_ROW_BYTES);
+}
+
+/* A row's bytes per k step: 32 bf16 or 64 u8 = one 64-byte tile row. */
+#define CM_AMX_STEP_K_BF16 32
+#define CM_AMX_STEP_K_U8 64
+
+#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, pf)                           \
+  do {                                                                                      \
+    const int two = mr > CM_AMX_TILE_ROWS;                                                  \
+    const size_t a_bytes = a_stride * (elem_bytes);                                         \
+    const size_t steps = k / (step_k), tail_k = k % (step_k);                               \
+    const size_t step_b_bytes = (step_k) / (k_per_b_row) * CM_AMX_B_ROW_BYTES;              \
+    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                       \
+    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                              \
+    void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce; \
+    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                   \
+    configure_tiles();                                                                      \
+    load_c(two, cc, accumulate);                                                            \
+    for (size_t s = 0; s < steps; s++) {                                                    \
+      const uint8_t *bs = b8 + s * step_b_bytes;                                            \
+      pf;                                                                                   \
+      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);    \
+    }                                                                                       \
+    if (tail_k) {                                                                           \
+      tail_tiles t;                                                                         \
+      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),     \
+                b8 + steps * step_b_bytes, tail_k / (k_per_b_row));                         \
+      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                \
+    }                                                                                       \
+    store_c(two, cc);                                                                       \
+    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                 \
+  } while (0)
+
+void cm_bf16_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_stride,
+                                  const void *b, float *c, int accumulate) {
+  CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && k % 2 == 0 && a_stride >= k);
+  /* the weights stream from memory once per call: ask for them a few steps ahead */
+#define CM_AMX_PF_BF16         \
+  for (int l = 0; l < 32; l++) \
+  _mm_prefetch((const char *)bs + CM_AMX_PREFETCH_STEPS * step_b_bytes + 64 * l, _MM_HINT_T0)
+  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, CM_AMX_PF_BF16);
+#undef CM_AMX_PF_BF16
+}
+
+void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t a_stride,
+                                  const int8_t *b, int32_t *acc, int accumulate,
+                                  cm_prefetch prefetch) {
+  CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && kc % 4 == 0 && a_stride >= kc);
+  const size_t k = kc;
+  int32_t *c = acc;
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
+  const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
+  /* a share of the next chunk (cm_prefetch), or this chunk's weights a few steps ahead */
+#define CM_AMX_PF_U8                                                                               \
+  if (prefetch.start) {                                                                            \
+    cm_prefetch_step(&pf, pf_steps);                                                               \
+  } else {                                                                                         \
+    for (int l = 0; l < 32; l++)                                                                   \
+      _mm_prefetch((const char *)bs + CM_AMX_PREFETCH_STEPS * step_b_bytes + 64 * l, _MM_HINT_T0); \
+  }
+  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, CM_AMX_PF_U8);
+#undef CM_AMX_PF_U8
+  if (prefetch.start) cm_prefetch_finish(&pf);
+}
