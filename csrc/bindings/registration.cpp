@@ -55,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_int8", &rt::probe_int8,
         "u8*s8 ops done by `iterations` of the int8 peak loop per thread (VNNI on avx512)");
   m.def("probe_fma", &rt::probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
+  m.def("probe_bf16", &rt::probe_bf16,
+        "bf16 ops done by `iterations` of the bf16 peak loop per thread (AMX on amx)");
   m.def("runner_threads", &rt::runner_threads,
         "distinct OS threads that torch's runner gives `workers` workers");
 }

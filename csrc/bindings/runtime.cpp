@@ -116,6 +116,11 @@ double probe_int8(int64_t iterations) {
   return cpumoe_probe_int8(iterations, &runner);
 }
 
+double probe_bf16(int64_t iterations) {
+  const cpumoe_runner runner = aten_runner();
+  return cpumoe_probe_bf16(iterations, &runner);
+}
+
 double probe_fma(int64_t iterations) {
   const cpumoe_runner runner = aten_runner();
   return cpumoe_probe_fma(iterations, &runner);

@@ -36,6 +36,7 @@ size_t workspace_bytes();
 double probe_read(const at::Tensor &buffer, int64_t passes);
 double probe_int8(int64_t iterations);
 double probe_fma(int64_t iterations);
+double probe_bf16(int64_t iterations);
 int64_t runner_threads(int64_t workers);
 
 }  // namespace cpumoe::bindings

@@ -247,11 +247,14 @@ typedef struct cm_elementwise_kernels {
 } cm_elementwise_kernels;
 
 /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop; of the
- * tier's u8*s8 multiply-add loop */
+ * tier's u8*s8 multiply-add loop; of the bf16 multiply-add loop its bf16 kernels run on (the
+ * FMA loop on tiers that widen bf16 to fp32). Each returns the operations done (2 per
+ * multiply-add). */
 typedef struct cm_probe_kernels {
   double (*read)(const void *buffer, size_t bytes);
   double (*fma)(int64_t iterations);
   double (*int8)(int64_t iterations);
+  double (*bf16)(int64_t iterations);
 } cm_probe_kernels;
 
 #define CM_SCHEME_COUNT 4 /* moe_comp_method values 0..3 (cpumoe_scheme) */
@@ -343,6 +346,8 @@ void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const vo
 void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                   int32_t *, int, cm_prefetch);
 void cm_amx_end_op__amx(void);
+double cm_probe_bf16_loop__amx(int64_t);
+double cm_probe_int8_loop__amx(int64_t);
 
 /* Preconditions of a kernel, checked in test builds (CPUMOE_CHECK_PRECONDITIONS, set by
  * tools/build_c_tests.py) and compiled out otherwise: a violation there aborts with the

@@ -50,7 +50,8 @@
 #define CM_PROBE_KERNELS(tier)                             \
   ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, \
                       .fma = cm_probe_fma_loop__##tier,    \
-                      .int8 = cm_probe_int8_loop__##tier})
+                      .int8 = cm_probe_int8_loop__##tier,  \
+                      .bf16 = cm_probe_fma_loop__##tier})
 /* 16-bit weights of one dtype (bf16 or f16) on fp32 panels */
 #define CM_UNQUANT_KERNELS(tier, dtype) \
   ((cm_unquant_kernels){.gemm = cm_##dtype##_gemm_f32acc_mrx32__##tier})
@@ -150,6 +151,8 @@ static void cm_config_init__avx512bf16(cm_tier_config *c) {
  * tile instruction here and keeps the vector kernels. */
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
+  c->probes.bf16 = cm_probe_bf16_loop__amx;
+  c->probes.int8 = cm_probe_int8_loop__amx;
   cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
   g->decode_a_format = g->a_format;
   g->kernels.unquant.gemm_decode = g->kernels.unquant.gemm;
@@ -420,6 +423,16 @@ double cpumoe_probe_read(const void *buffer, size_t bytes, int64_t passes,
 static void probe_int8_worker(void *arg, int64_t w) {
   probe_job *job = (probe_job *)arg;
   job->result[w] = cm_active_config()->probes.int8(job->iterations);
+}
+
+static void probe_bf16_worker(void *arg, int64_t w) {
+  probe_job *job = (probe_job *)arg;
+  job->result[w] = cm_active_config()->probes.bf16(job->iterations);
+}
+
+double cpumoe_probe_bf16(int64_t iterations, const cpumoe_runner *runner) {
+  probe_job job = {.iterations = iterations};
+  return run_probe(runner, probe_bf16_worker, &job);
 }
 
 double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner) {

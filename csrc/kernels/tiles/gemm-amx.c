@@ -37,9 +37,14 @@
 #include "common/ukernels.h"
 
 #define CM_AMX_TILE_ROWS 16
-#define CM_AMX_TILE_BYTES 64    /* bytes per tile row */
-#define CM_AMX_B_ROW_BYTES 128  /* bytes per k-row of a packed 32-column block */
-#define CM_AMX_PREFETCH_STEPS 4 /* B prefetched this many k steps ahead */
+#define CM_AMX_TILE_BYTES 64   /* bytes per tile row */
+#define CM_AMX_B_ROW_BYTES 128 /* bytes per k-row of a packed 32-column block */
+#ifndef CM_AMX_PF_L1_STEPS
+#define CM_AMX_PF_L1_STEPS 4 /* B prefetched into L1 this many k steps ahead ... */
+#endif
+#ifndef CM_AMX_PF_L2_STEPS
+#define CM_AMX_PF_L2_STEPS 0 /* ... and into L2 this many (0: not) */
+#endif
 
 /* tile numbers: macros, not an enum, since the intrinsics paste them into the asm */
 #define TC00 0
@@ -139,6 +144,16 @@ static void fill_tail(tail_tiles *t, size_t mr, const uint8_t *a, size_t a_bytes
   memcpy(t->b, b, b_rows * CM_AMX_B_ROW_BYTES);
 }
 
+/* A k step's weights (32 lines) a few steps ahead: a stream from memory needs more misses
+ * in flight than the hardware prefetchers keep. */
+static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, size_t step_bytes) {
+  for (int l = 0; l < 32; l++)
+    _mm_prefetch((const char *)b + CM_AMX_PF_L1_STEPS * step_bytes + 64 * l, _MM_HINT_T0);
+  if (CM_AMX_PF_L2_STEPS)
+    for (int l = 0; l < 32; l++)
+      _mm_prefetch((const char *)b + CM_AMX_PF_L2_STEPS * step_bytes + 64 * l, _MM_HINT_T1);
+}
+
 /* A row's bytes per k step: 32 bf16 or 64 u8 = one 64-byte tile row. */
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
@@ -174,9 +189,7 @@ void cm_bf16_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_s
                                   const void *b, float *c, int accumulate) {
   CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && k % 2 == 0 && a_stride >= k);
   /* the weights stream from memory once per call: ask for them a few steps ahead */
-#define CM_AMX_PF_BF16         \
-  for (int l = 0; l < 32; l++) \
-  _mm_prefetch((const char *)bs + CM_AMX_PREFETCH_STEPS * step_b_bytes + 64 * l, _MM_HINT_T0)
+#define CM_AMX_PF_BF16 prefetch_b(bs, step_b_bytes)
   CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, CM_AMX_PF_BF16);
 #undef CM_AMX_PF_BF16
 }
@@ -190,12 +203,11 @@ void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
   /* a share of the next chunk (cm_prefetch), or this chunk's weights a few steps ahead */
-#define CM_AMX_PF_U8                                                                               \
-  if (prefetch.start) {                                                                            \
-    cm_prefetch_step(&pf, pf_steps);                                                               \
-  } else {                                                                                         \
-    for (int l = 0; l < 32; l++)                                                                   \
-      _mm_prefetch((const char *)bs + CM_AMX_PREFETCH_STEPS * step_b_bytes + 64 * l, _MM_HINT_T0); \
+#define CM_AMX_PF_U8                 \
+  if (prefetch.start) {              \
+    cm_prefetch_step(&pf, pf_steps); \
+  } else {                           \
+    prefetch_b(bs, step_b_bytes);    \
   }
   CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, CM_AMX_PF_U8);
 #undef CM_AMX_PF_U8
