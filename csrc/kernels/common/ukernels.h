@@ -31,12 +31,6 @@
  * for the compensation). */
 #define CM_INT8_MAX_REDUCTION 65536
 
-/* C[mr][32] (+)= A_panel (rows 0..mr-1, the config's panel format) x B: the 16-bit weights
- * of a B tile (VNNI-2 [k/2][32][2]), or a chunk of quantized weights decoded once (its
- * kernels' own decoded format). `accumulate` = 0 starts C from +0. */
-typedef void (*cm_gemm_fn)(size_t mr, size_t k, const void *a_panel, size_t a_stride, const void *b,
-                           float *c, int accumulate);
-
 /* Cache lines [start, start + 64 lines) that a micro-kernel prefetches while it runs, spread
  * evenly over its reduction loop: the weights that the calls after it will read. The
  * pipeline hands each panel of a block an equal share of the next weight chunk, so the
@@ -55,6 +49,14 @@ typedef struct cm_prefetch {
  * its own distance ahead of the loads streams faster than the same lines requested as a
  * share. */
 #define CM_PREFETCH_SELF ((cm_prefetch){NULL, 0})
+
+/* C[mr][32] (+)= A_panel (rows 0..mr-1, the config's panel format) x B: the 16-bit weights
+ * of a B tile (VNNI-2 [k/2][32][2]), or a chunk of quantized weights decoded once (its
+ * kernels' own decoded format). `accumulate` = 0 starts C from +0. `prefetch`: lines to
+ * request while the kernel runs (cm_prefetch); CM_PREFETCH_SELF lets it read ahead on its
+ * own (vector kernels always do). */
+typedef void (*cm_gemm_fn)(size_t mr, size_t k, const void *a_panel, size_t a_stride, const void *b,
+                           float *c, int accumulate, cm_prefetch prefetch);
 
 /* A spread in progress: the next line to request, the end, and the credit toward the next
  * line. Each loop step earns `lines` credit and a line costs `steps`, so `steps` calls of
@@ -299,9 +301,9 @@ const cm_tier_config *cm_active_config(void);
   double cm_probe_int8_loop__##tier(int64_t);
 #define CM_DECLARE_UNQUANT(tier)                                                             \
   void cm_bf16_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *, \
-                                         float *, int);                                      \
+                                         float *, int, cm_prefetch);                         \
   void cm_f16_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *,  \
-                                        float *, int);
+                                        float *, int, cm_prefetch);
 #define CM_DECLARE_INT8(tier)                                                                     \
   void cm_u8s8_gemm_s32acc_mrx32__##tier(size_t, size_t, const uint8_t *, size_t, const int8_t *, \
                                          int32_t *, int, cm_prefetch);                            \
@@ -312,7 +314,7 @@ const cm_tier_config *cm_active_config(void);
                                         const float *, float *, int);                          \
   void cm_fp8_to_f32__##tier(size_t, const uint8_t *, void *);                                 \
   void cm_f32_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const void *,    \
-                                        float *, int);
+                                        float *, int, cm_prefetch);
 #define CM_DECLARE_INT4(tier)                                                                 \
   void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                \
   void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *, \
@@ -336,13 +338,14 @@ CM_DECLARE_INT4_DECODE(avx512)
 
 /* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
 void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,
-                                          float *, int);
+                                          float *, int, cm_prefetch);
 void cm_fp8_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
                                          const float *, float *, int);
 void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
 
 /* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c) */
-void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int);
+void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
+                                  cm_prefetch);
 void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                   int32_t *, int, cm_prefetch);
 void cm_amx_end_op__amx(void);

@@ -185,13 +185,22 @@ static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, s
     if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                 \
   } while (0)
 
+/* A share of the next chunk (cm_prefetch) spread over the k steps, or this call's own
+ * weights a few steps ahead (CM_PREFETCH_SELF). */
+#define CM_AMX_PREFETCH              \
+  if (prefetch.start) {              \
+    cm_prefetch_step(&pf, pf_steps); \
+  } else {                           \
+    prefetch_b(bs, step_b_bytes);    \
+  }
+
 void cm_bf16_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_stride,
-                                  const void *b, float *c, int accumulate) {
+                                  const void *b, float *c, int accumulate, cm_prefetch prefetch) {
   CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && k % 2 == 0 && a_stride >= k);
-  /* the weights stream from memory once per call: ask for them a few steps ahead */
-#define CM_AMX_PF_BF16 prefetch_b(bs, step_b_bytes)
-  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, CM_AMX_PF_BF16);
-#undef CM_AMX_PF_BF16
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
+  const size_t pf_steps = k / CM_AMX_STEP_K_BF16 ? k / CM_AMX_STEP_K_BF16 : 1;
+  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, CM_AMX_PREFETCH);
+  if (prefetch.start) cm_prefetch_finish(&pf);
 }
 
 void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t a_stride,
@@ -202,14 +211,6 @@ void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t
   int32_t *c = acc;
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
-  /* a share of the next chunk (cm_prefetch), or this chunk's weights a few steps ahead */
-#define CM_AMX_PF_U8                 \
-  if (prefetch.start) {              \
-    cm_prefetch_step(&pf, pf_steps); \
-  } else {                           \
-    prefetch_b(bs, step_b_bytes);    \
-  }
-  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, CM_AMX_PF_U8);
-#undef CM_AMX_PF_U8
+  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, CM_AMX_PREFETCH);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }

@@ -195,7 +195,8 @@ void cm_fp8_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const void *a, size_
 }
 
 void cm_f32_gemm_f32acc_mrx32__avx512(size_t mr, size_t kc, const void *a, size_t as, const void *b,
-                                      float *c, int accumulate) {
+                                      float *c, int accumulate, cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(as >= mr);
   CM_MR_SWITCH12(gemm_f32b_body, kc, (const float *)a, as, (const float *)b, c, accumulate)
 }

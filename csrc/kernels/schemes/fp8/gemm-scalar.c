@@ -27,7 +27,9 @@ void cm_fp8_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const void *panel, s
 }
 
 void cm_f32_gemm_f32acc_mrx32__scalar(size_t mr, size_t kc, const void *panel, size_t as,
-                                      const void *chunk, float *c, int accumulate) {
+                                      const void *chunk, float *c, int accumulate,
+                                      cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(as >= mr && mr >= 1 && mr <= CM_MR_MAX);
   const float *a = (const float *)panel, *b = (const float *)chunk;
   for (size_t r = 0; r < mr; r++)

@@ -90,7 +90,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
         const size_t rows = (size_t)pn->rows;
         size_t a_stride;
         const void *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
-        k->gemm_chunk(rows, (size_t)kc, panel, a_stride, decoded, sq, k0 > k_begin);
+        k->gemm_chunk(rows, (size_t)kc, panel, a_stride, decoded, sq, k0 > k_begin,
+                      CM_PREFETCH_SELF);
         sq += rows * CM_NR;
       }
     }

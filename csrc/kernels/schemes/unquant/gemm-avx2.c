@@ -68,13 +68,15 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
 }
 
 void cm_bf16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
-                                     float *c, int accumulate) {
+                                     float *c, int accumulate, cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, W_BF16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }
 
 void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
-                                    float *c, int accumulate) {
+                                    float *c, int accumulate, cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }

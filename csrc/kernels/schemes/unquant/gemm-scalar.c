@@ -29,13 +29,17 @@ static inline void gemm_16bit_scalar(size_t mr, size_t k, const float *restrict 
 }
 
 void cm_bf16_gemm_f32acc_mrx32__scalar(size_t mr, size_t k, const void *a, size_t a_stride,
-                                       const void *b, float *c, int accumulate) {
+                                       const void *b, float *c, int accumulate,
+                                       cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && a_stride >= mr && mr >= 1 && mr <= CM_MR_MAX);
   gemm_16bit_scalar(mr, k, a, a_stride, b, c, accumulate, cm_bf16_to_f32);
 }
 
 void cm_f16_gemm_f32acc_mrx32__scalar(size_t mr, size_t k, const void *a, size_t a_stride,
-                                      const void *b, float *c, int accumulate) {
+                                      const void *b, float *c, int accumulate,
+                                      cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && a_stride >= mr && mr >= 1 && mr <= CM_MR_MAX);
   gemm_16bit_scalar(mr, k, a, a_stride, b, c, accumulate, cm_f16_to_f32);
 }

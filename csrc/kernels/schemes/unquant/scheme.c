@@ -1,10 +1,13 @@
 /*
  * Scheme UNQUANT (moe_comp_method 0): bf16 or fp16 weights in the activation dtype, packed
- * VNNI-2 (pack/pack-vnni2.c). One kernel call per panel over the whole reduction: the
- * config's kernel, or its decode kernel for a block of few rows (a tile kernel would
- * compute mostly empty rows there).
+ * VNNI-2 (pack/pack-vnni2.c), multiplied by the config's kernel, or by its decode kernel
+ * for a block of few rows (a tile kernel would compute mostly empty rows there).
  */
 #include "moe/pipeline.h"
+
+/* Reduction chunk of a block of several panels: 16 KiB of bf16 weights, which stay in L1
+ * while every panel runs over them. */
+#define CM_UNQUANT_KC 256
 
 static cpumoe_status validate_unquant(const cpumoe_moe_problem *p) {
   (void)p; /* the weights need nothing beyond the common checks */
@@ -15,6 +18,12 @@ static int64_t w1_row_bytes_unquant(const cpumoe_moe_problem *p) {
   return 2 * p->K;
 }
 
+/* A block of one panel: one call over the whole reduction, the kernel reading ahead on its
+ * own. Several panels: the reduction is walked in chunks, each chunk applied to every panel
+ * (accumulating in C) before the next, and each call requests its share of the next chunk
+ * (cm_prefetch_share), as INT8 does: the weights come from memory once and the memory
+ * stream keeps going while the later panels compute. Splitting a reduction this way
+ * changes no bits (C is reloaded exactly as it was left). */
 static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                                float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -22,14 +31,24 @@ static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, 
   const int64_t out_rows = stage == 1 ? 2 * p->N : p->K;
   const cm_unquant_kernels *k = &r->gemm->kernels.unquant;
   const cm_gemm_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
-  for (int32_t q = 0; q < blk->panels; q++) {
-    const cm_panel *pn = &r->panels[blk->first_panel + q];
-    const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
-                        (size_t)pn->expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
-    size_t a_stride;
-    const void *panel = cm_panel_operand(r, pn, stage, 0, &a_stride);
-    gemm((size_t)pn->rows, (size_t)red, panel, a_stride, w, c, 0);
-    c += (size_t)pn->rows * CM_NR;
+  const int64_t expert = r->panels[blk->first_panel].expert;
+  const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
+                      (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+  const int64_t kc = blk->panels == 1 ? red : CM_UNQUANT_KC;
+  for (int64_t k0 = 0; k0 < red; k0 += kc) {
+    const int64_t n = red - k0 < kc ? red - k0 : kc;
+    float *cq = c;
+    for (int32_t q = 0; q < blk->panels; q++) {
+      const cm_panel *pn = &r->panels[blk->first_panel + q];
+      size_t a_stride;
+      const void *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
+      /* VNNI-2: k0 / 2 pairs of 32 columns x 2 */
+      gemm((size_t)pn->rows, (size_t)n, panel, a_stride, w + k0 * CM_NR, cq, k0 > 0,
+           blk->panels == 1
+               ? CM_PREFETCH_SELF
+               : cm_prefetch_share(w + (k0 + kc) * CM_NR, (size_t)kc * CM_NR * 2, q, blk->panels));
+      cq += (size_t)pn->rows * CM_NR;
+    }
   }
 }
 
