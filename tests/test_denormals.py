@@ -1,0 +1,117 @@
+"""Denormals: where the bf16 dot-product tiers part from fp32-chain (docs/NUMERICS.md).
+
+vdpbf16ps (avx512bf16, and the amx tier's kernels for few rows) and tdpbf16ps (amx) treat
+denormal inputs as zero and flush denormal results; the fp32-chain tiers keep them. The
+other tests' data make no denormals, so there fp32-chain-daz must give fp32-chain's bits;
+here denormals occur:
+
+* among O(1) activations (what a model could feed), every tier stays within the
+  cross-class tolerance of the portable tier;
+* where a denormal activation meets a huge weight, its product is far from negligible:
+  the fp32-chain tiers keep it and the flushing tiers drop it, the one documented
+  difference, and nothing else moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import MoeCompMethod
+from cpumoe_testing import (
+    CROSS_CLASS_TOLERANCE,
+    SUPPORTED_ISAS,
+    assert_elementwise_close,
+    assert_row_close,
+    make_fp8_weights,
+    make_routing,
+    make_weights,
+    needs_two_tiers,
+    run_fused,
+    run_fused_fp8,
+    use_isa,
+)
+
+BF16_DENORMAL_BITS = (0x0001, 0x0040, 0x007F, 0x8001, 0x8055)  # bf16 exponent field 0
+FLUSHING_CLASSES = {"fp32-chain-daz", "amx-bf16"}
+
+
+def _with_denormals(x: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """x (bf16) with `fraction` of its elements replaced by bf16 denormals."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = x.view(torch.int16).clone()
+    where = torch.rand(x.shape, generator=gen) < fraction
+    pick = torch.randint(0, len(BF16_DENORMAL_BITS), x.shape, generator=gen)
+    denormals = torch.tensor(BF16_DENORMAL_BITS, dtype=torch.int32)[pick].to(torch.int16)
+    bits[where] = denormals[where]
+    return bits.view(torch.bfloat16)
+
+
+def _run(scheme: str, x, weights, tw, ti):
+    if scheme == "bf16":
+        w1, w2 = weights
+        return run_fused(x, w1, w2, tw, ti, is_vnni=True)
+    w1, s1, w2, s2, block = weights
+    return run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, is_vnni=True)
+
+
+# M = 40 and E = 4 give blocks of more than 8 rows (the amx tier's tile kernels) and, with
+# M = 3, blocks of few rows (its vector kernels).
+@needs_two_tiers
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("M", [3, 40])
+def test_denormal_activations_within_tolerance(scheme, M):
+    torch.manual_seed(7)
+    E, topk, N, K = 4, 2, 64, 128
+    x = _with_denormals(torch.randn(M, K).to(torch.bfloat16), 0.3, seed=M)
+    tw, ti = make_routing(M, E, topk)
+    if scheme == "bf16":
+        weights = make_weights(E, N, K, torch.bfloat16)
+        method = MoeCompMethod.UNQUANT
+    else:
+        block = (32, 64)
+        weights = (*make_fp8_weights(E, N, K, block), block)
+        method = MoeCompMethod.FP8_W8A16
+    outs = {}
+    for tier in SUPPORTED_ISAS:
+        with use_isa(tier):
+            outs[tier] = _run(scheme, x, weights, tw, ti)
+    first = SUPPORTED_ISAS[0]
+    for tier, out in outs.items():
+        assert torch.isfinite(out.float()).all(), tier
+        where = f"({tier} vs {first}, denormal activations)"
+        if method == MoeCompMethod.UNQUANT:
+            assert_elementwise_close(out, outs[first], CROSS_CLASS_TOLERANCE[method], where)
+        else:
+            assert_row_close(out, outs[first], CROSS_CLASS_TOLERANCE[method], where,
+                             max_mismatch=None)
+
+
+@pytest.mark.parametrize("M", [3, 40])
+def test_flushing_is_the_difference(M):
+    """Activation column 0 holds the denormal 2^-130 in every row, and w1's column 0 holds
+    2^120 for every output (every other weight of w1 small): the product 2^-10 is the only
+    sizeable term of each gate/up value. Tiers that keep denormals see it, flushing tiers
+    see zero there, so their outputs equal those of the same call with column 0 zeroed."""
+    E, topk, N, K = 2, 1, 32, 64
+    torch.manual_seed(3)
+    x = torch.randn(M, K).to(torch.bfloat16) * 2.0 ** -20
+    x[:, 0] = 2.0 ** -130  # a bf16 denormal
+    x_flushed = x.clone()
+    x_flushed[:, 0] = 0.0
+    w1, w2 = make_weights(E, N, K, torch.bfloat16)
+    w1[:, :, 0] = 2.0 ** 120
+    tw, ti = make_routing(M, E, topk)
+    for tier in SUPPORTED_ISAS:
+        with use_isa(tier):
+            out = run_fused(x, w1, w2, tw, ti, is_vnni=True)
+            flushed = run_fused(x_flushed, w1, w2, tw, ti, is_vnni=True)
+        cls = cpumoe.numerics_class(tier)
+        # the kernel that takes the call: the amx tier's vector kernels (blocks of up to
+        # 8 rows) are vdpbf16ps ones, so they flush as well
+        if cls in FLUSHING_CLASSES:
+            assert torch.equal(out, flushed), f"{tier} ({cls}) kept a denormal activation"
+        else:
+            assert not torch.equal(out, flushed), f"{tier} ({cls}) dropped a denormal"
+            assert out.float().abs().max() > 100 * flushed.float().abs().max(), tier
