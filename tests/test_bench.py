@@ -40,10 +40,12 @@ def keep_threads():
 
 @pytest.fixture
 def fast_limits(monkeypatch):
-    """Shorter FMA / u8*s8 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
+    """Shorter FMA / u8*s8 / bf16 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
     fma, i8 = bench_machine._fma_peak_samples, bench_machine._int8_peak_samples
+    bf = bench_machine._bf16_peak_samples
     monkeypatch.setattr(bench_machine, "_fma_peak_samples", lambda: fma(0.05, 2))
     monkeypatch.setattr(bench_machine, "_int8_peak_samples", lambda: i8(0.05, 2))
+    monkeypatch.setattr(bench_machine, "_bf16_peak_samples", lambda: bf(0.05, 2))
 
 
 def _perf_tables():
@@ -437,6 +439,45 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     assert "| shape | pair | M=1 | M=3 |" in md
     assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
             f"{recs[1]['ratio']:.2f} |") in md
+
+
+# ---- the bf16 peak: which rows it bounds, when it is measured, how it is shown ------------------
+
+
+def _fake_probe(value):
+    return {"samples_gops": [value * 0.9, value], "iterations": 1, "seconds_per_run": 0.3}
+
+
+def test_measure_limits_runs_the_bf16_probe_only_when_asked(monkeypatch):
+    calls = []
+
+    def probe(name, result):
+        def run():
+            calls.append(name)
+            return result
+        return run
+
+    monkeypatch.setattr(bench_machine, "_read_bandwidth_samples", lambda size=None: {
+        "samples_gbps": [20.0], "buffer_bytes": 1 << 26, "passes": 2, "threads": 1})
+    monkeypatch.setattr(bench_machine, "_fma_peak_samples", probe("fma", {
+        "samples_gflops": [400.0], "iterations": 1, "seconds_per_run": 0.3}))
+    monkeypatch.setattr(bench_machine, "_int8_peak_samples", probe("int8", _fake_probe(13000)))
+    monkeypatch.setattr(bench_machine, "_bf16_peak_samples", probe("bf16", _fake_probe(6600)))
+    got = bench.measure_limits(True)
+    assert calls == ["fma", "int8"] and got["bf16"] is None
+    assert got["limits"] == bench.Limits(20.0, 400.0, 13000.0, None)
+    calls.clear()
+    got = bench.measure_limits(False, need_bf16=True)
+    assert calls == ["fma", "bf16"] and got["int8"] is None
+    assert got["bf16"]["samples_gops"] == [6600 * 0.9, 6600]
+    assert got["limits"] == bench.Limits(20.0, 400.0, None, 6600.0)
+
+
+def test_measure_bf16_peak_runs_the_tier_loop():
+    bf16 = bench.measure_bf16_peak(0.02, 1)
+    assert bf16 > 0
+    if cpumoe.isa() == "amx":  # the tile unit: an order of magnitude above the FMAs
+        assert bf16 > 4 * bench.measure_fma_peak(0.02, 1)
 
 
 # ---- what the package was built from, and the CPU, in every JSON document -------------------
