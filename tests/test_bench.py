@@ -598,6 +598,40 @@ def test_run_case_judges_bf16_rows_against_the_bf16_peak():
         assert rec["bound_ms"] == pytest.approx(rec["flops"] / peak / 1e6)
 
 
+def test_old_document_without_the_bf16_peak_loads_compares_and_plots_its_labels(tmp_path,
+                                                                                capsys):
+    """benchmarks/results/*.json predate the bf16 peak: they still load and compare, their
+    limits are shown without it, and their bf16 rows' panels say fp32 FMA."""
+    from cpumoe.bench.compare import describe_limits
+    from cpumoe.bench.report import limits_text, panel_title
+
+    path = os.path.join(REPO, "benchmarks", "results", "qwen3-targets-62.json")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this checkout")
+    old = bench.load_document(path)
+    assert "bf16_peak_gops" not in old["machine"]
+    assert "bf16" not in limits_text(old["machine"])
+    assert describe_limits(old).startswith("   limits: read ")
+    bf16_cases = [c for c in old["cases"] if c["scheme"] == "bf16"]
+    assert panel_title("bf16", bf16_cases) == "bf16 (bound: read bandwidth, fp32 FMA peak)"
+    # the same run as if measured now on amx: bf16 rows against the bf16 peak
+    new = json.loads(json.dumps(old))
+    new["machine"].update({"tier": "amx", "bf16_peak_gops": 6595.4, "int8_peak_gops": 13020.0})
+    for c in new["cases"]:
+        if c["peak_kind"] == "fp32_fma":
+            c["peak_kind"] = "bf16"
+    assert limits_text(new["machine"]).endswith(
+        ", bf16 6595 GOP/s (AMX tdpbf16ps), u8*s8 13020 GOP/s (AMX tdpbusd)")
+    assert panel_title("bf16", [c for c in new["cases"] if c["scheme"] == "bf16"]) == \
+        "bf16 (bound: read bandwidth, bf16 peak)"
+    new_path = _write(tmp_path, "new.json", new)
+    assert bench.main(["compare", path, new_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == describe_limits(old) and "bf16" not in out[1]
+    assert out[3] == describe_limits(new) and "bf16 6595 GOP/s (AMX tdpbf16ps)" in out[3]
+    assert "geometric mean of B/A: 1.000x" in "\n".join(out)
+
+
 # ---- what the package was built from, and the CPU, in every JSON document -------------------
 
 FAKE_BUILD = {"GIT_COMMIT": "0123456789abcdef0123456789abcdef01234567", "DIRTY": True,
