@@ -13,8 +13,8 @@ the machine limits of docs/PERFORMANCE.md, all measured in the same run:
 * bf16 peak of the active tier: ``_C.probe_bf16``, the loop the tier's bf16 GEMMs peak at
   (:func:`measure_bf16_peak`): AMX ``tdpbf16ps`` on the ``amx`` tier, the fp32 FMA loop
   on the tiers that widen bf16 to fp32; the ceiling of the bf16 rows and of the fp8 rows
-  with bf16 activations (their weights are decoded to bf16 for the tile unit on amx),
-  measured only when one of them is benchmarked;
+  with bf16 activations (the amx tile GEMM takes FP8 decoded to bf16), measured only when
+  one of them is benchmarked;
 * u8*s8 peak of the active tier: ``_C.probe_int8``, the same kind of loop of u8*s8 dot
   products (AMX ``tdpbusd`` on amx, VNNI ``vpdpbusd`` on avx512) (:func:`measure_int8_peak`);
   the ceiling of the int8 and int4 schemes, measured only when one of them is benchmarked.

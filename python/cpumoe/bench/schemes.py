@@ -47,10 +47,11 @@ WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], 
 
 
 # The compute ceiling of a scheme's rows by activation dtype (``Scheme.peak_kinds``; the kinds
-# of :meth:`~cpumoe.bench.machine.Limits.peak`). 16-bit and FP8 weights (decoded to the
-# activation dtype) run the tier's bf16 or fp16 GEMMs: bf16 activations peak at the bf16
-# loop (AMX tdpbf16ps on amx, the fp32 FMAs elsewhere), fp16 ones at the fp32 FMAs on every
-# tier. INT8 and INT4 run u8*s8 dot products whatever the activation dtype.
+# of :meth:`~cpumoe.bench.machine.Limits.peak`). 16-bit and FP8 weights with bf16
+# activations are judged against the bf16 peak (AMX tdpbf16ps on amx, whose tile GEMM takes
+# bf16 weights and FP8 decoded to bf16; the fp32 FMA loop on the tiers that widen bf16),
+# with fp16 activations against the fp32 FMA peak (fp16 is widened to fp32 on every tier).
+# INT8 and INT4 run u8*s8 dot products whatever the activation dtype.
 FLOAT_PEAKS = {"bf16": "bf16", "fp16": "fp32_fma"}
 U8S8_PEAKS = {"bf16": "u8s8", "fp16": "u8s8"}
 
