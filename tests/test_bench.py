@@ -40,10 +40,12 @@ def keep_threads():
 
 @pytest.fixture
 def fast_limits(monkeypatch):
-    """Shorter FMA / u8*s8 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
+    """Shorter FMA / u8*s8 / bf16 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
     fma, i8 = bench_machine._fma_peak_samples, bench_machine._int8_peak_samples
+    bf = bench_machine._bf16_peak_samples
     monkeypatch.setattr(bench_machine, "_fma_peak_samples", lambda: fma(0.05, 2))
     monkeypatch.setattr(bench_machine, "_int8_peak_samples", lambda: i8(0.05, 2))
+    monkeypatch.setattr(bench_machine, "_bf16_peak_samples", lambda: bf(0.05, 2))
 
 
 def _perf_tables():
@@ -65,9 +67,9 @@ def _fraction(v):
     return v is not None and 0 < v < 2
 
 
-def _check_bound(c, read_gbps, fma_gflops, int8_gops):
-    """The row's bound is the larger of bytes / bandwidth and ops / the scheme's peak."""
-    peak = int8_gops if c["peak_kind"] == "u8s8" else fma_gflops
+def _check_bound(c, read_gbps, fma_gflops, int8_gops, bf16_gops):
+    """The row's bound is the larger of bytes / bandwidth and ops / the row's peak."""
+    peak = {"u8s8": int8_gops, "bf16": bf16_gops, "fp32_fma": fma_gflops}[c["peak_kind"]]
     t_bw, t_ops = c["weight_bytes"] / read_gbps / 1e6, c["flops"] / peak / 1e6  # ms
     assert c["bound_ms"] == pytest.approx(max(t_bw, t_ops)), c
     assert c["bound"] == ("bandwidth" if t_bw >= t_ops else "compute"), c
@@ -77,9 +79,13 @@ def _check_bound(c, read_gbps, fma_gflops, int8_gops):
 def _check_common(doc):
     m = doc["machine"]
     assert m["read_gbps"] > 0 and m["fma_peak_gflops"] > 0 and m["int8_peak_gops"] > 0
+    assert m["bf16_peak_gops"] > 0 and m["bf16_statistic"] == "best of runs"  # bf16 rows
+    assert m["bf16_peak_gops"] == max(m["bf16_samples_gops"])
     assert m["tier"] == cpumoe.isa()
     assert [lim["threads"] for lim in m["limits_by_threads"]] == [1]
     assert m["limits_by_threads"][0]["read_gbps"] == m["read_gbps"]
+    assert m["limits_by_threads"][0]["bf16_peak_gops"] == m["bf16_peak_gops"]
+    assert m["limits_by_threads"][0]["bf16_samples_gops"] == m["bf16_samples_gops"]
     assert doc["settings"]["schemes"] == ["bf16", "int8"]
     assert doc["settings"]["threads"] == [1] and doc["settings"]["quick"] is False
     cases = doc["cases"]
@@ -89,7 +95,8 @@ def _check_common(doc):
         assert c["dtype"] == "bf16" and c["shape"] == "custom-8x2-256x128"
         assert c["threads"] == 1 and c["tier"] == cpumoe.isa() and c["thread_scaling"] == []
         assert c["moe_comp_method"] == {"bf16": 0, "int8": 1}[c["scheme"]]
-        _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], m["int8_peak_gops"])
+        _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], m["int8_peak_gops"],
+                     m["bf16_peak_gops"])
         assert c["ms"] > 0 and 0 < c["ms_min"] <= c["ms"] and c["iters"] == 2
         assert 1 <= c["distinct_experts"] <= min(8, 2 * c["M"])
         assert 1 <= c["weight_layers"] <= bench.MAX_WEIGHT_LAYERS
@@ -97,7 +104,7 @@ def _check_common(doc):
         bpw = 1 if c["scheme"] == "int8" else 2
         per_expert = 3 * 128 * 256 * bpw + (8 * (2 * 128 + 256) if bpw == 1 else 0)
         assert c["weight_bytes"] == pytest.approx(c["distinct_experts"] * per_expert)
-        assert c["peak_kind"] == ("u8s8" if c["scheme"] == "int8" else "fp32_fma")
+        assert c["peak_kind"] == ("u8s8" if c["scheme"] == "int8" else "bf16")
         # this tiny shape's weights (<= 1.5 MB) stay in cache between calls, so its "bandwidth"
         # may exceed the DRAM streaming rate: only the compute fraction is bounded by 1-ish
         assert _fraction(c["peak_fraction"]), ("peak_fraction", c)
@@ -127,6 +134,15 @@ def test_bench_json_with_baselines(tmp_path, fast_limits, capsys):
         assert c["int4pack_ms"] is None and c["speedup_int4pack"] is None
     out = capsys.readouterr().out
     assert "u8*s8 peak" in out and "bound ms" in out
+    tier = cpumoe.isa()
+    bf16_line = next(ln for ln in out.splitlines() if ln.startswith("bf16 peak:"))
+    assert f", {bench_machine.peak_loop('bf16', tier)}; median " in bf16_line
+    assert bf16_line.endswith("; bound of bf16 rows"), bf16_line
+    i8_line = next(ln for ln in out.splitlines() if ln.startswith("u8*s8 peak:"))
+    assert f", {bench_machine.peak_loop('u8s8', tier)}; median " in i8_line
+    assert i8_line.endswith("; bound of int8 rows"), i8_line
+    fma_line = next(ln for ln in out.splitlines() if ln.startswith("fp32 FMA peak:"))
+    assert "bound of" not in fma_line  # no fp32-FMA row in this run
     # the header says what each ratio column compares against
     assert "vs eager = the eager per-expert PyTorch loop" in out
     assert ("vs int8pack = a per-expert loop over torch._weight_int8pack_mm" in out) == int8pack
@@ -172,13 +188,15 @@ def test_bench_thread_scaling(tmp_path, fast_limits, capsys):
     assert s["scaling"] == pytest.approx(s["ms"] / c["ms"])
     assert s["identical_output"] is True  # docs/ARCHITECTURE.md: same bits for any thread count
     t_bw = c["weight_bytes"] / lim1["read_gbps"] / 1e6
-    t_ops = c["flops"] / lim1["fma_peak_gflops"] / 1e6
+    assert c["peak_kind"] == "bf16" and lim1["bf16_peak_gops"] > 0
+    t_ops = c["flops"] / lim1["bf16_peak_gops"] / 1e6
     assert s["bound_ms"] == pytest.approx(max(t_bw, t_ops))  # against the 1-thread limits
     assert s["bound_fraction"] == pytest.approx(s["bound_ms"] / s["ms"])
     out = capsys.readouterr().out
     header = next(ln for ln in out.splitlines() if ln.startswith("shape"))
     assert header.split()[-3:] == ["ms", "1->2t", "others"] and "1t" in header.split()
     assert "at 1 thread:" in out and "bit-identical in every case" in out
+    assert "\n  bf16 peak:      " in out  # the bf16 peak at each thread count
     # benchmarks/perf_tables.py (the tables of docs/PERFORMANCE.md) reads the same document
     md = _perf_tables().tables(doc).splitlines()
     assert "| shape | scheme | M=4 |" in md
@@ -437,6 +455,181 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
     assert "| shape | pair | M=1 | M=3 |" in md
     assert (f"| custom-8x2-256x128 | bf16/int8 | {recs[0]['ratio']:.2f} | "
             f"{recs[1]['ratio']:.2f} |") in md
+
+
+# ---- the bf16 peak: which rows it bounds, when it is measured, how it is shown ------------------
+
+
+def test_peak_kind_per_scheme_and_activation_dtype():
+    """bf16 rows and fp8 rows with bf16 activations are judged against the bf16 peak; fp16
+    rows and fp8 rows with fp16 activations against the fp32 FMA peak; int8/int4 against
+    u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
+    expected = {("bf16", "bf16"): "bf16", ("bf16", "fp16"): "bf16",
+                ("fp16", "bf16"): "fp32_fma", ("fp16", "fp16"): "fp32_fma",
+                ("fp8", "bf16"): "bf16", ("fp8", "fp16"): "fp32_fma",
+                ("int8", "bf16"): "u8s8", ("int8", "fp16"): "u8s8",
+                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8"}
+    got = {(name, d): scheme.peak_kind(d) for name, scheme in bench.SCHEMES.items()
+           for d in ("bf16", "fp16")}
+    assert got == expected
+    assert bench.SCHEMES["fp8"].peak_kind(torch.float16) == "fp32_fma"  # a torch dtype too
+    lim = bench.Limits(read_gbps=10.0, fma_gflops=100.0, int8_gops=400.0, bf16_gops=3000.0)
+    assert [lim.peak(k) for k in ("fp32_fma", "bf16", "u8s8")] == [100.0, 3000.0, 400.0]
+    assert lim.bound(0.0, 6e9, "bf16") == ("compute", pytest.approx(2e-3))
+    assert bench.Limits(10.0, 100.0).bound(1.0, 6e9, "bf16") is None  # bf16 not measured
+    with pytest.raises(ValueError, match="peak kind"):
+        lim.peak("fp16")
+
+
+def _plan(argv):
+    from cpumoe.bench.cli import plan_run
+
+    args = bench.resolve_arguments(bench.build_parser().parse_args(argv))
+    return plan_run(args, bench.parse_shapes(SHAPE))
+
+
+def test_plan_measures_the_bf16_peak_only_for_rows_judged_against_it():
+    p = _plan(["--scheme", "bf16,fp16,fp8,int8"])
+    assert p.used_by == {"bf16": ["bf16", "fp8"], "fp32_fma": ["fp16"], "u8s8": ["int8"]}
+    assert p.need_bf16 and p.need_int8
+    p = _plan(["--scheme", "fp16,fp8,int8", "--dtype", "fp16"])
+    assert p.used_by == {"fp32_fma": ["fp16", "fp8"], "u8s8": ["int8"]} and not p.need_bf16
+    p = _plan(["--scheme", "fp8", "--threads", "2,1"])
+    assert p.used_by == {"bf16": ["fp8"]} and p.need_bf16 and not p.need_int8
+    assert p.units_limits == pytest.approx(0.7 * 2)
+
+
+def _fake_probe(value):
+    return {"samples_gops": [value * 0.9, value], "iterations": 1, "seconds_per_run": 0.3}
+
+
+def test_measure_limits_runs_the_bf16_probe_only_when_asked(monkeypatch):
+    calls = []
+
+    def probe(name, result):
+        def run():
+            calls.append(name)
+            return result
+        return run
+
+    monkeypatch.setattr(bench_machine, "_read_bandwidth_samples", lambda size=None: {
+        "samples_gbps": [20.0], "buffer_bytes": 1 << 26, "passes": 2, "threads": 1})
+    monkeypatch.setattr(bench_machine, "_fma_peak_samples", probe("fma", {
+        "samples_gflops": [400.0], "iterations": 1, "seconds_per_run": 0.3}))
+    monkeypatch.setattr(bench_machine, "_int8_peak_samples", probe("int8", _fake_probe(13000)))
+    monkeypatch.setattr(bench_machine, "_bf16_peak_samples", probe("bf16", _fake_probe(6600)))
+    got = bench.measure_limits(True)
+    assert calls == ["fma", "int8"] and got["bf16"] is None
+    assert got["limits"] == bench.Limits(20.0, 400.0, 13000.0, None)
+    calls.clear()
+    got = bench.measure_limits(False, need_bf16=True)
+    assert calls == ["fma", "bf16"] and got["int8"] is None
+    assert got["bf16"]["samples_gops"] == [6600 * 0.9, 6600]
+    assert got["limits"] == bench.Limits(20.0, 400.0, None, 6600.0)
+
+
+def test_measure_bf16_peak_runs_the_tier_loop():
+    bf16 = bench.measure_bf16_peak(0.02, 1)
+    assert bf16 > 0
+    if cpumoe.isa() == "amx":  # the tile unit: an order of magnitude above the FMAs
+        assert bf16 > 4 * bench.measure_fma_peak(0.02, 1)
+
+
+def _fake_limits(with_bf16=True, with_int8=True):
+    bw = {"samples_gbps": [24.0, 25.0], "buffer_bytes": 1 << 30, "passes": 2, "threads": 2}
+    fma = {"samples_gflops": [420.0, 430.0], "iterations": 1, "seconds_per_run": 0.3}
+    return {"threads": 2, "read": bw, "fma": fma,
+            "int8": _fake_probe(13000) if with_int8 else None,
+            "bf16": {"samples_gops": [6500.0, 6595.0, 6560.0], "iterations": 1,
+                     "seconds_per_run": 0.3} if with_bf16 else None}
+
+
+def test_limit_lines_name_the_bf16_peak_and_its_loop():
+    from cpumoe.bench.report import _limit_lines
+
+    used_by = {"bf16": ["bf16", "fp8"], "u8s8": ["int8", "int4"]}
+    lines = _limit_lines(_fake_limits(), used_by, "amx")
+    assert lines[0].startswith("streaming read: 25.0 GB/s")
+    assert lines[1].startswith("fp32 FMA peak:  430 GFLOP/s") and "bound of" not in lines[1]
+    assert lines[2] == ("bf16 peak:      6595 GOP/s (best of 3 runs of ~0.3 s, AMX tdpbf16ps; "
+                        "median 6560); bound of bf16, fp8 rows")
+    assert lines[3] == ("u8*s8 peak:     13000 GOP/s (best of 2 runs of ~0.3 s, AMX tdpbusd; "
+                        "median 12350); bound of int8, int4 rows")
+    lines = _limit_lines(_fake_limits(), used_by, "avx512")
+    assert ", fp32 FMA; median" in lines[2] and ", VNNI vpdpbusd; median" in lines[3]
+    lines = _limit_lines(_fake_limits(with_bf16=False), {"fp32_fma": ["fp16"]}, "amx")
+    assert len(lines) == 3 and lines[1].endswith("; bound of fp16 rows")
+    assert not any(ln.startswith("bf16 peak") for ln in lines)
+    assert bench_machine.peak_loop("bf16", "avx512bf16") == "fp32 FMA"
+    assert bench_machine.peak_loop("u8s8", "amx") == "AMX tdpbusd"
+
+
+def test_bench_without_bf16_rows_leaves_the_bf16_peak_out(tmp_path, fast_limits, capsys):
+    """fp16 activations: fp8 rows are judged against the fp32 FMA peak, and no bf16 peak is
+    measured (null in the JSON document, no header line)."""
+    path = tmp_path / "fp16.json"
+    assert bench.main(["--shape", SHAPE, "--scheme", "fp8", "--dtype", "fp16", "--m", "2",
+                       "--iters", "1", "--bw-mib", "64", "--threads", "1", "--no-baseline",
+                       "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    m = doc["machine"]
+    assert m["bf16_peak_gops"] is None and m["bf16_samples_gops"] is None
+    assert m["bf16_statistic"] is None and m["limits_by_threads"][0]["bf16_peak_gops"] is None
+    (c,) = doc["cases"]
+    assert c["dtype"] == "fp16" and c["peak_kind"] == "fp32_fma"
+    _check_bound(c, m["read_gbps"], m["fma_peak_gflops"], None, None)
+    out = capsys.readouterr().out
+    assert "bf16 peak:" not in out
+    assert next(ln for ln in out.splitlines()
+                if ln.startswith("fp32 FMA peak:")).endswith("; bound of fp8 rows")
+
+
+def test_run_case_judges_bf16_rows_against_the_bf16_peak():
+    """run_case's peak arguments: a bf16 row's bound uses bf16_peak_gops, an fp8 row with
+    fp16 activations fma_peak_gflops (peaks chosen so that compute bounds every row)."""
+    peaks = {"read_gbps": 1e6, "fma_peak_gflops": 0.5, "int8_peak_gops": 2.0,
+             "bf16_peak_gops": 1.0}
+    for scheme, dtype, kind, peak in (("bf16", "bf16", "bf16", 1.0),
+                                      ("fp8", "bf16", "bf16", 1.0),
+                                      ("fp8", "fp16", "fp32_fma", 0.5)):
+        rec = bench.run_case(SHAPE, 2, scheme=scheme, dtype=dtype, iters=1, baseline=False,
+                             weight_layers=1, **peaks)
+        assert rec["peak_kind"] == kind and rec["bound"] == "compute", (scheme, dtype)
+        assert rec["bound_ms"] == pytest.approx(rec["flops"] / peak / 1e6)
+
+
+def test_old_document_without_the_bf16_peak_loads_compares_and_plots_its_labels(tmp_path,
+                                                                                capsys):
+    """benchmarks/results/*.json predate the bf16 peak: they still load and compare, their
+    limits are shown without it, and their bf16 rows' panels say fp32 FMA."""
+    from cpumoe.bench.compare import describe_limits
+    from cpumoe.bench.report import limits_text, panel_title
+
+    path = os.path.join(REPO, "benchmarks", "results", "qwen3-targets-62.json")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this checkout")
+    old = bench.load_document(path)
+    assert "bf16_peak_gops" not in old["machine"]
+    assert "bf16" not in limits_text(old["machine"])
+    assert describe_limits(old).startswith("   limits: read ")
+    bf16_cases = [c for c in old["cases"] if c["scheme"] == "bf16"]
+    assert panel_title("bf16", bf16_cases) == "bf16 (bound: read bandwidth, fp32 FMA peak)"
+    # the same run as if measured now on amx: bf16 rows against the bf16 peak
+    new = json.loads(json.dumps(old))
+    new["machine"].update({"tier": "amx", "bf16_peak_gops": 6595.4, "int8_peak_gops": 13020.0})
+    for c in new["cases"]:
+        if c["peak_kind"] == "fp32_fma":
+            c["peak_kind"] = "bf16"
+    assert limits_text(new["machine"]).endswith(
+        ", bf16 6595 GOP/s (AMX tdpbf16ps), u8*s8 13020 GOP/s (AMX tdpbusd)")
+    assert panel_title("bf16", [c for c in new["cases"] if c["scheme"] == "bf16"]) == \
+        "bf16 (bound: read bandwidth, bf16 peak)"
+    new_path = _write(tmp_path, "new.json", new)
+    assert bench.main(["compare", path, new_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == describe_limits(old) and "bf16" not in out[1]
+    assert out[3] == describe_limits(new) and "bf16 6595 GOP/s (AMX tdpbf16ps)" in out[3]
+    assert "geometric mean of B/A: 1.000x" in "\n".join(out)
 
 
 # ---- what the package was built from, and the CPU, in every JSON document -------------------

@@ -8,14 +8,23 @@ the machine limits of docs/PERFORMANCE.md, all measured in the same run:
   last-level cache (:func:`measure_read_bandwidth`), measured at the start and again
   at the end of the run;
 * fp32 FMA peak of the active tier: ``_C.probe_fma``, a register-only loop on each of
-  torch's threads (:func:`measure_fma_peak`); the ceiling of the bf16/fp16/fp8 schemes;
+  torch's threads (:func:`measure_fma_peak`); the ceiling of the fp16 rows and of the fp8
+  rows with fp16 activations (both run on fp32 FMAs on every tier);
+* bf16 peak of the active tier: ``_C.probe_bf16``, the loop the tier's bf16 GEMMs peak at
+  (:func:`measure_bf16_peak`): AMX ``tdpbf16ps`` on the ``amx`` tier, the fp32 FMA loop
+  on the tiers that widen bf16 to fp32; the ceiling of the bf16 rows and of the fp8 rows
+  with bf16 activations (the amx tile GEMM takes FP8 decoded to bf16), measured only when
+  one of them is benchmarked;
 * u8*s8 peak of the active tier: ``_C.probe_int8``, the same kind of loop of u8*s8 dot
-  products (VNNI where the tier has it) (:func:`measure_int8_peak`); the ceiling of the
-  int8 and int4 schemes, measured only when one of them is benchmarked.
+  products (AMX ``tdpbusd`` on amx, VNNI ``vpdpbusd`` on avx512) (:func:`measure_int8_peak`);
+  the ceiling of the int8 and int4 schemes, measured only when one of them is benchmarked.
 
 Each row's bound is the larger of bytes / bandwidth and operations / peak (the roofline);
-``%bound`` is that bound over the measured time. With ``--threads 1,2`` every case is
-also timed at the other thread counts (limits measured at each count too).
+``%bound`` is that bound over the measured time. A row's ``peak_kind`` (``fp32_fma``,
+``bf16`` or ``u8s8``) says which peak it is judged against (:meth:`Scheme.peak_kind`, by
+scheme and activation dtype), and the header names the loop each peak ran on the tier
+(:func:`peak_loop`). With ``--threads 1,2`` every case is also timed at the other thread
+counts (limits measured at each count too).
 
 Weight schemes (``--scheme``) are the rows of :data:`SCHEMES`: ``bf16`` / ``fp16`` (weights
 and activations in that dtype), ``int8`` (INT8 W8A8), ``fp8`` (FP8 W8A16, 128x128 block
@@ -53,9 +62,10 @@ interleaving), :mod:`~cpumoe.bench.report` (table, JSON, picture) and
 here, as they were importable from the single module this package replaced.
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
-:func:`measure_fma_peak`, :func:`measure_int8_peak`, :func:`run_case`,
-:func:`baseline_moe`, :func:`baseline_int8pack_moe`, :func:`baseline_int4pack_moe`,
-:func:`run_capped_baseline`, :func:`machine_info`, :func:`write_plot`. Smoke run (seconds):
+:func:`measure_fma_peak`, :func:`measure_bf16_peak`, :func:`measure_int8_peak`,
+:func:`run_case`, :func:`baseline_moe`, :func:`baseline_int8pack_moe`,
+:func:`baseline_int4pack_moe`, :func:`run_capped_baseline`, :func:`machine_info`,
+:func:`write_plot`. Smoke run (seconds):
 ``main(["--shape", "custom:8,2,256,128", "--scheme", "bf16,int8", "--m", "1,4", "--iters", "2"])``.
 """
 
@@ -96,11 +106,14 @@ from .machine import (
     default_weight_layers,
     last_level_cache_bytes,
     machine_info,
+    measure_bf16_peak,
     measure_fma_peak,
     measure_int8_peak,
     measure_limits,
     measure_read_bandwidth,
+    peak_loop,
 )
+from .machine import _bf16_peak_samples as _bf16_peak_samples
 from .machine import _fma_peak_samples as _fma_peak_samples
 from .machine import _int8_peak_samples as _int8_peak_samples
 from .machine import _mem_available_bytes as _mem_available_bytes
@@ -145,9 +158,9 @@ __all__ = [
     "cpu_model_name", "default_read_buffer_bytes", "default_weight_layers",
     "format_header_row", "format_row", "fused_experts", "int4_group_size",
     "int4pack_unavailable", "int8pack_unavailable", "last_level_cache_bytes",
-    "load_document", "machine_info", "main", "make_routings", "measure_fma_peak",
-    "measure_int8_peak", "measure_limits", "measure_read_bandwidth", "parse_pairs",
-    "parse_schemes", "parse_shapes", "resolve_arguments", "run", "run_capped_baseline",
+    "load_document", "machine_info", "main", "make_routings", "measure_bf16_peak",
+    "measure_fma_peak", "measure_int8_peak", "measure_limits", "measure_read_bandwidth", "parse_pairs",
+    "parse_schemes", "parse_shapes", "peak_loop", "resolve_arguments", "run", "run_capped_baseline",
     "run_case", "run_interleaved", "run_pairs", "scheme_unavailable", "table_columns",
     "write_plot",
 ]

@@ -206,8 +206,8 @@ def build_parser(prog: str = "python -m cpumoe bench") -> argparse.ArgumentParse
         prog=prog,
         description="Time cpumoe.fused_experts (bf16/fp16, INT8, FP8 or INT4 weights) on MoE "
                     "model shapes against the machine's measured streaming-read bandwidth and "
-                    "fp32 FMA / u8*s8 peak (the roofline), and against the PyTorch code a user "
-                    "would run instead.",
+                    "compute peak (fp32 FMA, bf16 or u8*s8 by scheme: the roofline), and "
+                    "against the PyTorch code a user would run instead.",
         epilog=f"'{prog} {COMPARE_COMMAND} A.json B.json' sets two saved --json runs side by "
                "side instead: each case's ms in both and B/A, their geometric mean, and the "
                f"cases found in only one ('{prog} {COMPARE_COMMAND} --help').")
@@ -317,14 +317,15 @@ def run_pairs(args: argparse.Namespace, shapes: List[Shape], pairs: List[Tuple[s
 class RunPlan:
     """What a run does, settled from the options before anything is measured, and the
     progress bar's budget: 1 unit per case (+0.3 per scaling count), 0.5 per case for the
-    capped baseline, 0.5 (0.7 with the u8*s8 peak) per thread count for the limits, 1 per
-    interleaved (shape, pair, M), 0.25 for the bandwidth measured at the end."""
+    capped baseline, 0.5 per thread count for the limits (+0.2 each for the u8*s8 and the
+    bf16 peak, measured only when a row is judged against them), 1 per interleaved (shape,
+    pair, M), 0.25 for the bandwidth measured at the end."""
 
     shapes: List[Shape]
     ms: List[int]
     schemes: List[str]  # those that run
     skipped: Dict[str, str]  # scheme -> why cpumoe cannot run it here
-    used_by: Dict[str, List[str]]  # peak kind -> the schemes judged against that peak
+    used_by: Dict[str, List[str]]  # peak kind -> the schemes whose rows are judged against it
     baseline_keys: List[str]  # the in-process baselines (keys of BASELINES) that run
     unavailable: Dict[str, Optional[str]]  # scheme-specific baseline -> why not, or None
     capped_isa: Optional[str]
@@ -338,12 +339,16 @@ class RunPlan:
         return "u8s8" in self.used_by
 
     @property
+    def need_bf16(self) -> bool:
+        return "bf16" in self.used_by
+
+    @property
     def case_count(self) -> int:
         return len(self.shapes) * len(self.schemes) * len(self.ms)
 
     @property
     def units_limits(self) -> float:
-        return (0.7 if self.need_int8 else 0.5) * (1 + len(self.scaling))
+        return (0.5 + 0.2 * self.need_int8 + 0.2 * self.need_bf16) * (1 + len(self.scaling))
 
     @property
     def units_capped(self) -> float:
@@ -369,7 +374,7 @@ def plan_run(args: argparse.Namespace, shapes: List[Shape]) -> RunPlan:
     schemes = [s for s in args.scheme if s not in skipped]
     used_by: Dict[str, List[str]] = {}
     for s in schemes:
-        used_by.setdefault(SCHEMES[s].peak_kind, []).append(s)
+        used_by.setdefault(SCHEMES[s].peak_kind(args.dtype), []).append(s)
     baseline_keys = [] if args.no_baseline else ["baseline"]
     unavailable: Dict[str, Optional[str]] = {}
     for s in schemes:
@@ -407,13 +412,15 @@ def measure_limits_by_threads(plan: RunPlan, bar: Progress) -> Dict[int, dict]:
     """:func:`measure_limits` at the rows' thread count, then at each scaling count (torch's
     thread count restored after each)."""
     bar.update(0.0, f"measuring the limits at {plan.threads} threads", force=True)
-    by_threads = {plan.threads: measure_limits(plan.need_int8, plan.bw_bytes)}
+    by_threads = {plan.threads: measure_limits(plan.need_int8, plan.bw_bytes,
+                                               need_bf16=plan.need_bf16)}
     for k, count in enumerate(plan.scaling):
         bar.update(plan.units_limits * (k + 1) / (1 + len(plan.scaling)),
                    f"measuring the limits at {count} threads", force=True)
         torch.set_num_threads(count)
         try:
-            by_threads[count] = measure_limits(plan.need_int8, plan.bw_bytes)
+            by_threads[count] = measure_limits(plan.need_int8, plan.bw_bytes,
+                                               need_bf16=plan.need_bf16)
         finally:
             torch.set_num_threads(plan.threads)
     bar.update(plan.units_limits, "limits measured")

@@ -1,7 +1,9 @@
 """``python -m cpumoe bench compare A.json B.json``: two saved runs (``--json`` documents)
 side by side. A row per timing present in both: (shape, scheme, activation dtype, M,
 threads, implementation) with A's ms, B's ms and B/A, then the geometric mean of the ratios
-(over all rows and per implementation) and the timings found in only one of the files.
+(over all rows and per implementation) and the timings found in only one of the files. Above
+them, what each file is and the limits its run measured (a document without the bf16 peak,
+made before it existed, shows the others).
 
 The implementations of a case record are cpumoe (``ms``, and each ``thread_scaling`` entry
 at its own thread count), each in-process baseline that ran (``{key}_ms`` of
@@ -20,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .baselines import BASELINES
 from .machine import UNKNOWN
+from .report import limits_text
 
 # (shape, scheme, dtype, M, threads, implementation)
 CaseKey = Tuple[str, str, str, int, int, str]
@@ -127,6 +130,14 @@ def describe(label: str, path: str, doc: dict) -> str:
             f"{machine.get('cpu_model', 'CPU unknown')}, {doc.get('timestamp', 'time unknown')}")
 
 
+def describe_limits(doc: dict) -> Optional[str]:
+    """The limits the document's run measured (:func:`~cpumoe.bench.report.limits_text`:
+    read bandwidth and each compute peak that run had; a document older than the bf16 peak
+    has none), indented under its :func:`describe` line; None when it records none."""
+    text = limits_text(doc.get("machine") or {})
+    return f"   limits: {text}" if text else None
+
+
 def _key_text(k: CaseKey) -> str:
     shape, scheme, dtype, M, threads, impl = k
     return f"{shape} {scheme} ({dtype}) M={M} {threads}t {impl}"
@@ -179,8 +190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"cpumoe bench compare: {e}", file=sys.stderr)
         return 1
     result = compare_documents(a, b)
-    lines = [describe("A", args.a, a), describe("B", args.b, b),
-             "B/A = B's ms / A's ms (median per call); below 1: B is faster", ""]
+    lines = []
+    for label, path, doc in (("A", args.a, a), ("B", args.b, b)):
+        lines.append(describe(label, path, doc))
+        limits = describe_limits(doc)
+        if limits:
+            lines.append(limits)
+    lines += ["B/A = B's ms / A's ms (median per call); below 1: B is faster", ""]
     try:
         for line in lines + format_comparison(result):
             print(line)

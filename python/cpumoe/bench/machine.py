@@ -1,9 +1,9 @@
 """The machine: what ``python -m cpumoe info`` shows (CPU model, cache, features, tiers;
 :func:`machine_info`), what the package was built from (:func:`build_info`), how busy the
 other processes keep the CPUs (:class:`OthersLoad`), and the limits every row is judged
-against (docs/PERFORMANCE.md): streaming-read bandwidth, fp32 FMA and u8*s8 peaks
-(:func:`measure_limits`, :class:`Limits`), and how many weight copies reach DRAM
-(:func:`default_weight_layers`)."""
+against (docs/PERFORMANCE.md): streaming-read bandwidth, fp32 FMA, bf16 and u8*s8 peaks
+(:func:`measure_limits`, :class:`Limits`; :func:`peak_loop` names the loop each peak runs
+on a tier), and how many weight copies reach DRAM (:func:`default_weight_layers`)."""
 
 from __future__ import annotations
 
@@ -264,6 +264,15 @@ def _int8_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
             "seconds_per_run": target_seconds}
 
 
+def _bf16_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
+    """Runs ``_C.probe_bf16`` (the loop the active tier's bf16 GEMMs peak at: AMX
+    ``tdpbf16ps`` on amx, the fp32 FMA loop on the tiers that widen bf16 to fp32; 2 ops per
+    multiply-add, on each of torch's threads) like :func:`_fma_peak_samples`."""
+    r = _probe_rate_samples(_C.probe_bf16, target_seconds, runs)
+    return {"samples_gops": r["samples"], "iterations": r["iterations"],
+            "seconds_per_run": target_seconds}
+
+
 def measure_fma_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
     """fp32 FMA peak of the active tier in GFLOP/s on torch's current threads
     (best of ``runs`` runs of ~``target_seconds`` by default)."""
@@ -276,12 +285,43 @@ def measure_int8_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "b
     return _stat(_int8_peak_samples(target_seconds, runs)["samples_gops"], stat)
 
 
+def measure_bf16_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
+    """bf16 multiply-add peak of the active tier in GOP/s (2 ops per multiply-add; AMX on
+    amx, the fp32 FMA rate elsewhere) on torch's current threads (best of ``runs`` runs of
+    ~``target_seconds`` by default)."""
+    return _stat(_bf16_peak_samples(target_seconds, runs)["samples_gops"], stat)
+
+
 def _stat(samples: Sequence[float], stat: str) -> float:
     if stat == "best":
         return max(samples)
     if stat == "median":
         return statistics.median(samples)
     raise ValueError(f"stat must be 'best' or 'median', got '{stat}'")
+
+
+# The compute ceilings a row can be judged against (a row's ``peak_kind``): the fp32 FMA
+# peak (``_C.probe_fma``), the bf16 peak (``_C.probe_bf16``) and the u8*s8 peak
+# (``_C.probe_int8``).
+PEAK_KINDS = ("fp32_fma", "bf16", "u8s8")
+
+# The loop each compute probe runs, by tier (what the header and the picture name); a
+# tier not listed runs the default. Kept in step with csrc/kernels/dispatch/config.c.
+_PEAK_LOOPS = {
+    "fp32_fma": {None: "fp32 FMA"},
+    "bf16": {"amx": "AMX tdpbf16ps", None: "fp32 FMA"},
+    "u8s8": {"amx": "AMX tdpbusd", "avx512bf16": "VNNI vpdpbusd", "avx512": "VNNI vpdpbusd",
+             "avx2": "AVX2 vpmaddwd", "scalar": "scalar multiply-adds",
+             None: "the tier's u8*s8 loop"},
+}
+
+
+def peak_loop(kind: str, tier: str) -> str:
+    """The instruction loop the probe of peak ``kind`` (one of :data:`PEAK_KINDS`) runs on
+    ``tier``: e.g. ``peak_loop("bf16", "amx")`` is "AMX tdpbf16ps" and
+    ``peak_loop("bf16", "avx512")`` "fp32 FMA" (that tier widens bf16 to fp32)."""
+    loops = _PEAK_LOOPS[kind]
+    return loops.get(tier, loops[None])
 
 
 @dataclass(frozen=True)
@@ -291,10 +331,17 @@ class Limits:
     read_gbps: Optional[float] = None  # streaming read, 1e9 bytes/s
     fma_gflops: Optional[float] = None  # fp32 FMA peak, 1e9 flop/s
     int8_gops: Optional[float] = None  # u8*s8 peak, 1e9 op/s
+    bf16_gops: Optional[float] = None  # bf16 peak (AMX on amx, else the FMA loop), 1e9 op/s
 
     def peak(self, kind: str) -> Optional[float]:
-        """The compute ceiling of a scheme's ``peak_kind`` (``"fp32_fma"`` or ``"u8s8"``)."""
-        return self.int8_gops if kind == "u8s8" else self.fma_gflops
+        """The compute ceiling of a row's ``peak_kind`` (one of :data:`PEAK_KINDS`)."""
+        if kind == "fp32_fma":
+            return self.fma_gflops
+        if kind == "bf16":
+            return self.bf16_gops
+        if kind == "u8s8":
+            return self.int8_gops
+        raise ValueError(f"peak kind must be one of {', '.join(PEAK_KINDS)}, got '{kind}'")
 
     def bound(self, weight_bytes: float, ops: float, kind: str):
         """``("bandwidth" | "compute", seconds)``: the larger of bytes / bandwidth and ops /
@@ -307,16 +354,20 @@ class Limits:
         return ("bandwidth", t_bw) if t_bw >= t_ops else ("compute", t_ops)
 
 
-def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None) -> dict:
-    """All limit samples on torch's current threads: ``{"threads", "read", "fma", "int8"}``
-    (``int8`` None unless ``need_int8``) and ``limits``, a :class:`Limits` of the best runs."""
+def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None, *,
+                   need_bf16: bool = False) -> dict:
+    """All limit samples on torch's current threads: ``{"threads", "read", "fma", "int8",
+    "bf16"}`` (``int8`` None unless ``need_int8``, ``bf16`` None unless ``need_bf16``: only
+    the peaks some row is judged against are measured, beside the fp32 FMA peak) and
+    ``limits``, a :class:`Limits` of the best runs."""
     bw = _read_bandwidth_samples(buffer_bytes)
     fma = _fma_peak_samples()
     i8 = _int8_peak_samples() if need_int8 else None
-    return {"threads": torch.get_num_threads(), "read": bw, "fma": fma, "int8": i8,
+    bf = _bf16_peak_samples() if need_bf16 else None
+    return {"threads": torch.get_num_threads(), "read": bw, "fma": fma, "int8": i8, "bf16": bf,
             "limits": Limits(max(bw["samples_gbps"]), max(fma["samples_gflops"]),
-                             max(i8["samples_gops"]) if i8 else None)}
-
+                             max(i8["samples_gops"]) if i8 else None,
+                             max(bf["samples_gops"]) if bf else None)}
 
 
 UNKNOWN = "unknown"

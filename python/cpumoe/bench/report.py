@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 import torch
 
 from .baselines import BASELINES, _speedup_key
-from .machine import Limits, _GiB, build_info
+from .machine import Limits, _GiB, build_info, peak_loop
 from .schemes import SCHEMES
 from .shapes import DTYPES
 
@@ -174,12 +174,9 @@ def write_plot(doc: dict, path: str):
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=9, frameon=False)
     m = doc["machine"]
-    limits = f"read {m['read_gbps']:.1f} GB/s, fp32 FMA {m['fma_peak_gflops']:.0f} GFLOP/s"
-    if m.get("int8_peak_gops"):
-        limits += f", u8*s8 {m['int8_peak_gops']:.0f} GOP/s"
     fig.suptitle(f"cpumoe {m['cpumoe_version']} fused_experts, tier {m['tier']}, "
                  f"{m['threads']} threads, {m['cpu_model']}\nlimits measured in the run: "
-                 f"{limits}", fontsize=10)
+                 f"{limits_text(m)}", fontsize=10)
     _save_figure(fig, path)
     return fig
 
@@ -200,14 +197,41 @@ def _draw_panel(ax, scheme: str, cases: List[dict], shapes: List[str],
                  if c.get("baseline_ms")]
         if eager:
             ax.plot(*zip(*eager), ":", color=colour[shape], lw=1.2)
-    kind = SCHEMES[scheme].peak_kind if scheme in SCHEMES else "fp32_fma"
-    ax.set_title(f"{scheme} (bound: read bandwidth, "
-                 f"{'u8*s8' if kind == 'u8s8' else 'fp32 FMA'} peak)", fontsize=10)
+    ax.set_title(panel_title(scheme, cases), fontsize=10)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("M (tokens)")
     ax.set_ylabel("GOP/s (2·M·topk·3·N·K / time)")
     ax.grid(True, which="both", alpha=0.3)
+
+
+PEAK_LABELS = {"fp32_fma": "fp32 FMA", "bf16": "bf16", "u8s8": "u8*s8"}  # by peak kind
+
+
+def panel_title(scheme: str, cases: List[dict]) -> str:
+    """A scheme's panel title: what its rows' bound is made of (the peaks of their
+    ``peak_kind``; a document made before bf16 rows had their own peak says fp32 FMA)."""
+    kinds = dict.fromkeys(PEAK_LABELS.get(c["peak_kind"], c["peak_kind"]) for c in cases
+                          if c.get("peak_kind"))
+    return f"{scheme} (bound: read bandwidth, {' / '.join(kinds) or 'compute'} peak)"
+
+
+def limits_text(machine: dict) -> str:
+    """The limits of a document's ``machine`` block in one line, each compute peak with the
+    loop it runs on the document's tier, e.g. "read 24.1 GB/s, fp32 FMA 430 GFLOP/s, bf16
+    6595 GOP/s (AMX tdpbf16ps), u8*s8 13020 GOP/s (AMX tdpbusd)"; a limit the run did not
+    measure (or a document older than it) is left out."""
+    tier = machine.get("tier")
+    parts = []
+    if machine.get("read_gbps"):
+        parts.append(f"read {machine['read_gbps']:.1f} GB/s")
+    if machine.get("fma_peak_gflops"):
+        parts.append(f"fp32 FMA {machine['fma_peak_gflops']:.0f} GFLOP/s")
+    for key, kind in (("bf16_peak_gops", "bf16"), ("int8_peak_gops", "u8s8")):
+        if machine.get(key):
+            parts.append(f"{PEAK_LABELS[kind]} {machine[key]:.0f} GOP/s"
+                         + (f" ({peak_loop(kind, tier)})" if tier else ""))
+    return ", ".join(parts)
 
 
 def _save_figure(fig, path: str) -> None:
@@ -229,10 +253,12 @@ def _limits_line(label: str, samples: List[float], unit: str, detail: str, fmt: 
             f"{statistics.median(samples):{fmt}})")
 
 
-def _limit_lines(lim: dict, used_by: Dict[str, List[str]]) -> List[str]:
-    """The header lines of one thread count's limits; ``used_by[kind]`` = schemes judged
-    against that peak."""
-    bw, fma, i8 = lim["read"], lim["fma"], lim["int8"]
+def _limit_lines(lim: dict, used_by: Dict[str, List[str]], tier: str) -> List[str]:
+    """The header lines of one thread count's limits (of :func:`measure_limits`, on
+    ``tier``); ``used_by[kind]`` = schemes whose rows are judged against that peak. The bf16
+    and u8*s8 lines name the loop their probe runs (:func:`peak_loop`) and appear only when
+    that peak was measured."""
+    bw, fma = lim["read"], lim["fma"]
     out = [_limits_line("streaming read: ", bw["samples_gbps"], "GB/s",
                         f"runs x {bw['passes']} passes over {_fmt_bytes(bw['buffer_bytes'])}",
                         ".1f"),
@@ -240,21 +266,27 @@ def _limit_lines(lim: dict, used_by: Dict[str, List[str]]) -> List[str]:
                         f"runs of ~{fma['seconds_per_run']} s", ".0f")]
     if used_by.get("fp32_fma"):
         out[-1] += f"; bound of {', '.join(used_by['fp32_fma'])} rows"
-    if i8:
-        out.append(_limits_line("u8*s8 peak:     ", i8["samples_gops"], "GOP/s",
-                                f"runs of ~{i8['seconds_per_run']} s", ".0f")
-                   + f"; bound of {', '.join(used_by.get('u8s8', []))} rows")
+    for key, label, kind in (("bf16", "bf16 peak:      ", "bf16"),
+                             ("int8", "u8*s8 peak:     ", "u8s8")):
+        probe = lim.get(key)
+        if probe:
+            out.append(_limits_line(label, probe["samples_gops"], "GOP/s",
+                                    f"runs of ~{probe['seconds_per_run']} s, "
+                                    f"{peak_loop(kind, tier)}", ".0f")
+                       + f"; bound of {', '.join(used_by.get(kind, []))} rows")
     return out
 
 
 def _limits_json(lim: dict) -> dict:
-    bw, fma, i8 = lim["read"], lim["fma"], lim["int8"]
+    bw, fma, i8, bf = lim["read"], lim["fma"], lim["int8"], lim.get("bf16")
     return {"threads": lim["threads"], "read_gbps": max(bw["samples_gbps"]),
             "read_samples_gbps": bw["samples_gbps"],
             "fma_peak_gflops": max(fma["samples_gflops"]),
             "fma_samples_gflops": fma["samples_gflops"],
             "int8_peak_gops": max(i8["samples_gops"]) if i8 else None,
-            "int8_samples_gops": i8["samples_gops"] if i8 else None}
+            "int8_samples_gops": i8["samples_gops"] if i8 else None,
+            "bf16_peak_gops": max(bf["samples_gops"]) if bf else None,
+            "bf16_samples_gops": bf["samples_gops"] if bf else None}
 
 
 
@@ -277,10 +309,11 @@ def header_lines(info: dict, plan: "RunPlan", dtype: str, limits_by_threads: Dic
     for s in plan.schemes:
         lines.append(f"{s}: {SCHEMES[s].text}"
                      + ("" if SCHEMES[s].float_weights else f"; {dtype} activations"))
-    lines += _limit_lines(limits_by_threads[threads], plan.used_by)
+    lines += _limit_lines(limits_by_threads[threads], plan.used_by, info["tier"])
     for count in scaling:
         lines.append(f"at {count} thread{'s' if count > 1 else ''}:")
-        lines += ["  " + line for line in _limit_lines(limits_by_threads[count], plan.used_by)]
+        lines += ["  " + line for line in _limit_lines(limits_by_threads[count], plan.used_by,
+                                                       info["tier"])]
     if busy_before is not None and busy_before > 0.1:
         lines.append(f"WARNING: other processes kept the CPUs {100 * busy_before:.0f}% busy just "
                      "before the run; figures will be noisy")
@@ -379,6 +412,7 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
     ``interleaved``, ``wall_seconds``, ``timestamp``."""
     main = limits_by_threads[plan.threads]
     limits, bw0, fma, i8 = main["limits"], main["read"], main["fma"], main["int8"]
+    bf = main.get("bf16")
     machine = dict(info)
     machine.update({
         "read_gbps": limits.read_gbps,
@@ -396,6 +430,9 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
         "int8_peak_gops": limits.int8_gops,
         "int8_statistic": "best of runs" if i8 else None,
         "int8_samples_gops": i8["samples_gops"] if i8 else None,
+        "bf16_peak_gops": limits.bf16_gops,
+        "bf16_statistic": "best of runs" if bf else None,
+        "bf16_samples_gops": bf["samples_gops"] if bf else None,
         "limits_by_threads": [_limits_json(limits_by_threads[c]) for c in args.threads],
         "capped_baseline": None if capped is None else {
             "isa": capped["isa"], "onednn_isa": capped["onednn_isa"],

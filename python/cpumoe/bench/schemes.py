@@ -6,7 +6,7 @@ random float weights into the scheme's packed tensors and keyword arguments of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -46,6 +46,16 @@ class SchemeWeights:
 WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], SchemeWeights]
 
 
+# The compute ceiling of a scheme's rows by activation dtype (``Scheme.peak_kinds``; the kinds
+# of :meth:`~cpumoe.bench.machine.Limits.peak`). 16-bit and FP8 weights with bf16
+# activations are judged against the bf16 peak (AMX tdpbf16ps on amx, whose tile GEMM takes
+# bf16 weights and FP8 decoded to bf16; the fp32 FMA loop on the tiers that widen bf16),
+# with fp16 activations against the fp32 FMA peak (fp16 is widened to fp32 on every tier).
+# INT8 and INT4 run u8*s8 dot products whatever the activation dtype.
+FLOAT_PEAKS = {"bf16": "bf16", "fp16": "fp32_fma"}
+U8S8_PEAKS = {"bf16": "u8s8", "fp16": "u8s8"}
+
+
 @dataclass(frozen=True)
 class Scheme:
     """One weight scheme of the benchmark: a row of :data:`SCHEMES`."""
@@ -53,7 +63,7 @@ class Scheme:
     name: str
     method: MoeCompMethod
     text: str  # what it is, for --help and the table header
-    peak_kind: str  # "fp32_fma" or "u8s8": the compute ceiling of its rows
+    peak_kinds: Dict[str, str] = field(hash=False)  # activation dtype -> its rows' ceiling
     make_weights: WeightGenerator
     torch_baseline: Optional[str] = None  # key of BASELINES: torch's own path for these weights
     unavailable: Optional[Callable[[torch.dtype], Optional[str]]] = None  # why cpumoe can't run it
@@ -62,6 +72,12 @@ class Scheme:
     def float_weights(self) -> bool:
         """bf16/fp16: the weights are in the activation dtype, which the scheme fixes."""
         return self.name in DTYPES
+
+    def peak_kind(self, dtype) -> str:
+        """The compute ceiling (``"fp32_fma"``, ``"bf16"`` or ``"u8s8"``) of this scheme's
+        rows with activations of ``dtype`` (a name of DTYPES or a torch dtype; bf16 and fp16
+        fix their own, as in :class:`ExpertWeights`)."""
+        return self.peak_kinds[self.name if self.float_weights else _dtype_name(dtype)]
 
 
 def _float_weights(w1, w2, g, pack) -> SchemeWeights:
@@ -171,17 +187,17 @@ def _int4_unavailable(dtype: torch.dtype) -> Optional[str]:
 _INT4_REASON: Dict[torch.dtype, Optional[str]] = {}
 
 SCHEMES: Dict[str, Scheme] = {s.name: s for s in (
-    Scheme("bf16", MoeCompMethod.UNQUANT, "bf16 weights and activations", "fp32_fma",
+    Scheme("bf16", MoeCompMethod.UNQUANT, "bf16 weights and activations", FLOAT_PEAKS,
            _float_weights),
-    Scheme("fp16", MoeCompMethod.UNQUANT, "fp16 weights and activations", "fp32_fma",
+    Scheme("fp16", MoeCompMethod.UNQUANT, "fp16 weights and activations", FLOAT_PEAKS,
            _float_weights),
     Scheme("int8", MoeCompMethod.INT8_W8A8, "INT8 W8A8 (moe_comp_method=1): per-channel int8 "
-           "weights, activations quantized per token", "u8s8", _int8_weights, "int8pack"),
+           "weights, activations quantized per token", U8S8_PEAKS, _int8_weights, "int8pack"),
     Scheme("fp8", MoeCompMethod.FP8_W8A16, "FP8 W8A16 (moe_comp_method=2): e4m3 weights, "
-           "128x128 block scales", "fp32_fma", _fp8_weights),
+           "128x128 block scales", FLOAT_PEAKS, _fp8_weights),
     Scheme("int4", MoeCompMethod.INT4_W4A8, "INT4 W4A8 (moe_comp_method=3): AWQ int4 weights, "
            "groups of 128 (64 or 32 where K or N needs it), activations quantized per token",
-           "u8s8", _int4_weights, "int4pack", _int4_unavailable),
+           U8S8_PEAKS, _int4_weights, "int4pack", _int4_unavailable),
 )}
 
 

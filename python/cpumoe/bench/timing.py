@@ -121,6 +121,7 @@ def run_case(
     read_gbps: Optional[float] = None,
     fma_peak_gflops: Optional[float] = None,
     int8_peak_gops: Optional[float] = None,
+    bf16_peak_gops: Optional[float] = None,
     scaling_threads: Sequence[int] = (),
     scaling_limits: Optional[Dict[int, Limits]] = None,
     seed: int = 0,
@@ -146,7 +147,9 @@ def run_case(
     the baselines read one copy (which, if anything, favours them).
     ``capped`` is this case's result from :func:`run_capped_baseline`, if any. ``ms`` is
     the median. Fractions and the bound are filled in when ``limits`` (or ``read_gbps`` and
-    the scheme's peak: ``fma_peak_gflops`` or ``int8_peak_gops``) are given, else None.
+    the peak of the row's ``peak_kind``: ``fma_peak_gflops``, ``bf16_peak_gops`` or
+    ``int8_peak_gops``) are given, else None; the kind follows the scheme and the activation
+    dtype (:meth:`Scheme.peak_kind`).
     For each count in ``scaling_threads`` cpumoe is timed again with that many torch
     threads (``thread_scaling``; its bound fraction against ``scaling_limits[count]``).
     ``progress(fraction_of_case, text)`` is called as the case advances.
@@ -156,7 +159,7 @@ def run_case(
         raise ValueError(f"M must be positive, got {M}")
     scheme, dname, weights = _case_weights(shape, dtype, scheme, weights, seed)
     if limits is None:
-        limits = Limits(read_gbps, fma_peak_gflops, int8_peak_gops)
+        limits = Limits(read_gbps, fma_peak_gflops, int8_peak_gops, bf16_peak_gops)
     report = progress or (lambda frac, text: None)
     label = f"{shape.name} {scheme} M={M}"
     g, x, warm = _case_inputs(shape, M, weights.dtype, seed)
@@ -284,8 +287,9 @@ def _case_record(shape: Shape, scheme: str, dname: str, M: int, threads: int,
     weight_bytes = distinct * weights.expert_bytes()
     flops = 2.0 * M * shape.topk * 3 * shape.N * shape.K
     sec = statistics.median(times)
-    peak = limits.peak(spec.peak_kind)
-    bound = limits.bound(weight_bytes, flops, spec.peak_kind)
+    kind = spec.peak_kind(dname)
+    peak = limits.peak(kind)
+    bound = limits.bound(weight_bytes, flops, kind)
     return {
         "shape": shape.name, "scheme": scheme, "E": shape.E, "topk": shape.topk,
         "K": shape.K, "N": shape.N, "M": M,
@@ -303,7 +307,7 @@ def _case_record(shape: Shape, scheme: str, dname: str, M: int, threads: int,
         "bw_fraction": weight_bytes / sec / 1e9 / limits.read_gbps if limits.read_gbps else None,
         "flops": flops,
         "gflops": flops / sec / 1e9,
-        "peak_kind": spec.peak_kind,
+        "peak_kind": kind,
         "peak_fraction": flops / sec / 1e9 / peak if peak else None,
         "bound": bound[0] if bound else None,
         "bound_ms": bound[1] * 1e3 if bound else None,
