@@ -546,6 +546,14 @@ CROSS_CLASS_TOLERANCE = {
 DENORMALS_ONLY = {"fp32-chain-daz": "fp32-chain"}
 
 
+# Classes whose bf16 dot products flush denormals (in the calls docs/NUMERICS.md says).
+FLUSHING_CLASSES = {"fp32-chain-daz", "amx-bf16"}
+
+
+def flushes_denormals(tier: str) -> bool:
+    return cpumoe.numerics_class(tier) in FLUSHING_CLASSES
+
+
 def bits_class(numerics_class: str) -> str:
     """The class whose bits a class gives on the tests' data (denormal-free)."""
     return DENORMALS_ONLY.get(numerics_class, numerics_class)

@@ -34,6 +34,7 @@ from cpumoe_testing import (
     assert_matches_exact,
     assert_tiers_agree,
     call_fused,
+    flushes_denormals,
     fp8_from_codes,
     fp8_scale_shape,
     isa_params,
@@ -347,6 +348,10 @@ def test_extreme_scales(isa, scale, weights):
     M, E, N, K, block = 5, 1, 32, 64, (32, 32)
     exponent = int(torch.tensor(abs(scale)).log2().floor())
     x_exp = min(max(-exponent - 8, -120), 120)  # h = x * w ~ O(1) where bf16 allows
+    if x_exp < -90 and flushes_denormals(isa):
+        # x * e4m3 * 2^-8 reaches below 2^-126: products that a flushing class drops
+        pytest.skip(f"activations ~2^{x_exp} make denormal products, which numerics class "
+                    f"{cpumoe.numerics_class(isa)} flushes (docs/NUMERICS.md)")
     pick = _no_subnormal if weights == "normal" else (lambda c: c)
     w1 = fp8_from_codes(pick(_no_nan(torch.randint(0, 256, (E, 2 * N, K)))))
     w2 = fp8_from_codes(_no_nan(torch.randint(0, 256, (E, K, N))))
@@ -370,7 +375,8 @@ def test_huge_scale_with_zero_weight():
     0 * inf = NaN and a nonzero one +-inf, on every tier. The 2^8 is now restored on the
     finished output, never folded into a scale."""
     E, N, K, M, block = 1, 32, 32, 1, (64, 32)
-    x = torch.full((M, K), 2.0 ** -125).to(torch.bfloat16)
+    # x * e4m3 * 2^-8 = 2^-125: normal, so tiers that flush denormals agree too
+    x = torch.full((M, K), 2.0 ** -117).to(torch.bfloat16)
     w1 = torch.ones(E, 2 * N, K).to(FP8_DTYPE)
     w1[:, :, 1] = 0
     w2 = torch.ones(E, K, N).to(FP8_DTYPE)
@@ -378,7 +384,7 @@ def test_huge_scale_with_zero_weight():
     s2 = torch.full((E, 1, 1), 2.0 ** -3)
     tw, ti = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
     ref = ref_fp8(x, w1, s1, w2, s2, tw, ti, block)
-    assert torch.isfinite(ref.float()).all()  # 13.125 everywhere
+    assert torch.isfinite(ref.float()).all()
     assert torch.equal(ref, fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block))
     outs = {}
     for tier in SUPPORTED_ISAS:

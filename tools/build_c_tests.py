@@ -30,8 +30,12 @@ AMX), and says what it skipped elsewhere; the models' fault checks run everywher
 
 Usage: python tools/build_c_tests.py [--emulate] [--build-dir DIR] [--no-run]
            [--emulate-all] [SECTION] [-v]
+tests/c/kernels/*.c are tests of single kernels, each its own program linked with the
+core's objects (native or emulated, as built): e.g. the avx512bf16 kernels bit for bit
+against fmaf chains and the vdpbf16ps model.
+
 Exit status: the driver's (1 when a check failed; a sanitizer report aborts it), or the shim
-test's or the conformance test's when that failed.
+test's, the conformance test's or a kernel test's when that failed.
 """
 
 import argparse
@@ -60,6 +64,8 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g", "
 DRIVER_SOURCES = sorted((ROOT / "tests" / "c").glob("*.c"))
 EMULATE_DIR = ROOT / "tests" / "c" / "emulate"
 CONFORMANCE_SOURCE = EMULATE_DIR / "test_bf16_amx_conformance.c"
+# Tests of single kernels, each its own program linked with the core's objects.
+KERNEL_TEST_SOURCES = sorted((ROOT / "tests" / "c" / "kernels").glob("*.c"))
 EMULATE_DEFINE = "-DCPUMOE_EMULATE_TIERS"
 # Emulated objects only: -Wno-psabi, since passing a 32/64-byte vector without AVX changes
 # the calling convention, which gcc notes once per function; every object of this build is
@@ -169,6 +175,14 @@ def main() -> int:
     exe = out / "test_cpumoe"
     subprocess.run([cc, *SANITIZE, *(str(obj) for obj, _ in jobs), "-o", str(exe), "-lpthread",
                     "-lm"], check=True)
+    core_objects = [str(obj) for obj, _ in jobs if "core" in obj.parts]
+    for src in KERNEL_TEST_SOURCES:  # baseline flags: the kernels come from the core objects
+        kernel_exe = out / src.stem
+        subprocess.run([cc, *BASE_CFLAGS, *SANITIZE,
+                        *([EMULATE_DEFINE] if args.emulate else []), f"-I{INCLUDE}",
+                        f"-I{KERNELS}", f"-I{ROOT / 'tests' / 'c'}", str(src), *core_objects,
+                        "-o", str(kernel_exe), "-lpthread", "-lm"], check=True)
+        shim_tests.append((kernel_exe, None))
     if args.no_run:
         return 0
     env = dict(os.environ)

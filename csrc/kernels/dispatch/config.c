@@ -25,8 +25,6 @@
 #define CM_TILE_MR_AVX2 4
 #define CM_TILE_MR_AVX512 12
 #define CM_TILE_MR_AMX 32
-/* Blocks of up to this many rows stay on the vector kernels on the amx tier. */
-#define CM_AMX_MIN_ROWS 8
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
  * accumulators beside the weights they expand in registers. */
 #define CM_DECODE_MAX_ROWS 4
@@ -140,31 +138,54 @@ static void cm_config_init__avx512(cm_tier_config *c) {
   }
 }
 
+/* vdpbf16ps for the bf16 GEMMs of blocks of few rows: there it streams the weights at least
+ * as fast as the avx512 kernels (which widen each bf16 to fp32 first), and FP8 decodes to
+ * bf16 with VBMI byte permutes. With more rows the avx512 kernels stay: vdpbf16ps occupies
+ * the shuffle port for 2 cycles per instruction on the Xeon it was measured on, half the
+ * MAC rate of fp32 FMAs (docs/PERFORMANCE-HISTORY.md). Only bf16 activations: the A
+ * panels hold bf16 pairs. */
+#define CM_BF16_PAIRS_MAX_ROWS 2
+#define CM_FP8_PAIRS_MAX_ROWS 1
 static void cm_config_init__avx512bf16(cm_tier_config *c) {
-  (void)c; /* vdpbf16ps kernels: wired in with their tests */
+  cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
+  g->decode_max_rows = CM_BF16_PAIRS_MAX_ROWS;
+  g->decode_a_format = CM_PANEL_BF16_PAIRS;
+  g->kernels.unquant.gemm_decode = cm_bf16_gemm_pairs_mrx32__avx512bf16;
+  g = &c->gemm[CM_FP8][CM_BF16];
+  g->decode_max_rows = CM_FP8_PAIRS_MAX_ROWS;
+  g->decode_a_format = CM_PANEL_BF16_PAIRS;
+  g->kernels.fp8.gemm_decode = cm_fp8_gemm_pairs_mrx32__avx512bf16;
 }
 
-/* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles) for blocks of more than
- * CM_AMX_MIN_ROWS rows; smaller blocks keep the vector kernels they had (a tile pass
- * computes 16 rows whatever the panel holds). INT8 and INT4 run tdpbusd on the same VNNI-4
- * weights; bf16 runs tdpbf16ps (its own numerics class, docs/NUMERICS.md). fp16 has no
- * tile instruction here and keeps the vector kernels. */
+/* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles). INT8 and INT4 run tdpbusd on the same VNNI-4 weights, bf16
+ * runs tdpbf16ps (its own numerics class, docs/NUMERICS.md), FP8 with bf16 activations
+ * decodes each chunk to bf16 once and runs tdpbf16ps on it. fp16 has no tile instruction
+ * here and keeps the vector kernels. INT8 keeps the VNNI kernel for blocks of up to
+ * CM_AMX_INT8_VECTOR_ROWS rows. */
+#define CM_AMX_INT8_VECTOR_ROWS 8
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
   c->probes.bf16 = cm_probe_bf16_loop__amx;
   c->probes.int8 = cm_probe_int8_loop__amx;
+  /* bf16 GEMMs of every block on the tile unit, one row too: a token's bits then do not
+   * depend on the batch it came in (tdpbf16ps and vdpbf16ps round differently), and two
+   * dot products per 2 KiB of weights still outrun the memory stream at one row. */
   cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
-  g->decode_a_format = g->a_format;
-  g->kernels.unquant.gemm_decode = g->kernels.unquant.gemm;
-  g->decode_max_rows = CM_AMX_MIN_ROWS;
   g->mr = CM_TILE_MR_AMX;
+  g->decode_max_rows = 0;
   g->a_format = CM_PANEL_BF16_ROWS;
   g->kernels.unquant.gemm = cm_bf16_gemm_rows_mrx32__amx;
+  g = &c->gemm[CM_FP8][CM_BF16];
+  g->mr = CM_TILE_MR_AMX;
+  g->decode_max_rows = 0;
+  g->a_format = CM_PANEL_BF16_ROWS;
+  g->kernels.fp8.decode_chunk = cm_fp8_to_bf16__avx512bf16;
+  g->kernels.fp8.gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     g = &c->gemm[CM_INT8][act];
     g->decode_a_format = g->a_format;
     g->kernels.int8.gemm_decode = g->kernels.int8.gemm;
-    g->decode_max_rows = CM_AMX_MIN_ROWS;
+    g->decode_max_rows = CM_AMX_INT8_VECTOR_ROWS;
     g->mr = CM_TILE_MR_AMX;
     g->a_format = CM_PANEL_U8_ROWS;
     g->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
