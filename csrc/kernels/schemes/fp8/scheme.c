@@ -90,8 +90,10 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
         const size_t rows = (size_t)pn->rows;
         size_t a_stride;
         const void *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
+        /* the chunk is in L1; a tile kernel requests a share of the next chunk's weights
+         * meanwhile, so the memory stream goes on while the tiles compute */
         k->gemm_chunk(rows, (size_t)kc, panel, a_stride, decoded, sq, k0 > k_begin,
-                      CM_PREFETCH_SELF);
+                      cm_prefetch_share(w + (k0 + kc) * CM_NR, (size_t)kc * CM_NR, q, blk->panels));
         sq += rows * CM_NR;
       }
     }

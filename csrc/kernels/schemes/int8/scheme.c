@@ -43,8 +43,11 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
   const cm_gemm_u8s8_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
   CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
-  for (int64_t k0 = 0; k0 < red; k0 += CM_INT8_KC) {
-    const size_t kc = (size_t)(red - k0 < CM_INT8_KC ? red - k0 : CM_INT8_KC);
+  /* one panel shares nothing: one call over the whole reduction (a tile kernel then loads
+   * and stores its accumulators once) */
+  const int64_t chunk = blk->panels == 1 ? red : CM_INT8_KC;
+  for (int64_t k0 = 0; k0 < red; k0 += chunk) {
+    const size_t kc = (size_t)(red - k0 < chunk ? red - k0 : chunk);
     for (int32_t q = 0; q < blk->panels; q++) {
       const cm_panel *pn = &r->panels[blk->first_panel + q];
       size_t a_stride;
