@@ -554,6 +554,17 @@ def flushes_denormals(tier: str) -> bool:
     return cpumoe.numerics_class(tier) in FLUSHING_CLASSES
 
 
+# Classes whose bf16-activation bits depend on how many rows an expert gets in the batch:
+# blocks of few rows and larger ones take kernels that round differently (vdpbf16ps and
+# AMX tdpbf16ps, docs/NUMERICS.md); there a token alone and in a batch agree within the
+# cross-class tolerance, not bit for bit.
+BATCH_DEPENDENT_CLASSES = {"amx-bf16"}
+
+
+def batch_dependent(tier: str, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and cpumoe.numerics_class(tier) in BATCH_DEPENDENT_CLASSES
+
+
 def bits_class(numerics_class: str) -> str:
     """The class whose bits a class gives on the tests' data (denormal-free)."""
     return DENORMALS_ONLY.get(numerics_class, numerics_class)

@@ -1,6 +1,7 @@
 """Denormals: where the bf16 dot-product tiers part from fp32-chain (docs/NUMERICS.md).
 
-vdpbf16ps (avx512bf16, and the amx tier's kernels for few rows) and tdpbf16ps (amx) treat
+vdpbf16ps (the avx512bf16 and amx tiers' kernels for blocks of few rows) and tdpbf16ps (amx,
+larger blocks) treat
 denormal inputs as zero and flush denormal results; the fp32-chain tiers keep them. The
 other tests' data make no denormals, so there fp32-chain-daz must give fp32-chain's bits;
 here denormals occur:
@@ -89,7 +90,7 @@ def test_denormal_activations_within_tolerance(scheme, M):
 
 # Which calls flush: the kernels that take a block decide. fp32-chain-daz (avx512bf16) runs
 # vdpbf16ps on blocks of up to 2 rows only (FMA kernels on larger ones: vdpbf16ps is half
-# their rate there); amx-bf16 runs tdpbf16ps on every block.
+# their rate there); amx-bf16 runs vdpbf16ps on those and tdpbf16ps on larger ones.
 FLUSHES = {("fp32-chain-daz", 1): True, ("fp32-chain-daz", 40): False,
            ("amx-bf16", 1): True, ("amx-bf16", 40): True}
 

@@ -33,6 +33,7 @@ from cpumoe_testing import (
     assert_fp8_close,
     assert_matches_exact,
     assert_tiers_agree,
+    batch_dependent,
     call_fused,
     flushes_denormals,
     fp8_from_codes,
@@ -650,7 +651,9 @@ def test_thread_count_independent(isa):
 def test_decode_path_equals_prefill_path(isa, dt):
     """A token computed alone (each of its experts gets 1 row: weights decoded in
     registers) gives the same bits as inside a batch where its experts get many rows
-    (weights decoded once per chunk into an fp32 buffer); so do groups of 2..4 tokens."""
+    (weights decoded once per chunk into a buffer); so do groups of 2..4 tokens. Within
+    the tolerance only on a tier whose few-row and many-row kernels round differently
+    (cpumoe_testing.BATCH_DEPENDENT_CLASSES)."""
     dtype = DTYPES[dt]
     M, E, topk, N, K, block = 64, 8, 3, 96, 320, (48, 128)
     x, w1, s1, w2, s2, tw, ti = make_case(M, E, topk, N, K, dtype, block)
@@ -663,10 +666,17 @@ def test_decode_path_equals_prefill_path(isa, dt):
     batch = run(slice(None))
     counts = torch.bincount(ti.flatten().long(), minlength=E)
     assert (counts > 4).all()  # every expert takes the decode-once path in the batch
+
+    def same(part, whole, what):
+        if batch_dependent(isa, dtype):  # vector kernels alone, tiles in the batch
+            assert_fp8_close(part, whole, what)
+        else:
+            assert torch.equal(part, whole), what
+
     for i in (0, 5, 17, 40, 63):
-        assert torch.equal(run(slice(i, i + 1)), batch[i:i + 1]), f"token {i}"
+        same(run(slice(i, i + 1)), batch[i:i + 1], f"token {i}")
     for lo, hi in ((0, 2), (10, 13), (60, 64)):
-        assert torch.equal(run(slice(lo, hi)), batch[lo:hi]), f"tokens {lo}..{hi - 1}"
+        same(run(slice(lo, hi)), batch[lo:hi], f"tokens {lo}..{hi - 1}")
     assert_fp8_close(batch, ref_fp8(x, w1, s1, w2, s2, tw, ti, block))
 
 

@@ -7,7 +7,7 @@ Objects go to BUILD_DIR (default build/c-tests); nothing is cached. The driver r
 tier this CPU has, natively.
 
 --emulate builds the core for the tiers this CPU lacks (CI's AVX2-only EPYC never runs the
-avx512 code otherwise): every vector tier's sources (*-avx2.c, *-avx512.c) are compiled
+avx512 code otherwise): every vector tier's sources (*-avx2.c, *-avx512.c, ...) are compiled
 WITHOUT their tier's ISA flags, at baseline x86-64, through SIMDe (header-only; pip install
 cmeel-simde==0.8.2). tests/c/emulate/ comes first on their include path: its immintrin.h
 maps the Intel intrinsics to SIMDe's portable code and adds what SIMDe 0.8.2 lacks or

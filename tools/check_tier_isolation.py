@@ -27,6 +27,7 @@ FAMILIES = [
     (("-mavx512f",), re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])|%k[0-7]\b")),
     (("-mavx512vnni", "-mavxvnni"), re.compile(r"\tvpdp(bu?sd|wssd)s?\s")),
     (("-mavx512bf16",), re.compile(r"\t(vdpbf16ps|vcvtne2?ps2bf16)\s")),
+    (("-mavx512vbmi",), re.compile(r"\tvperm(i2|t2)?b\s|\tvpmultishiftqb\s")),
     (("-mamx-tile",),
      re.compile(r"\t(ldtilecfg|sttilecfg|tileloadd|tileloaddt1|tilestored|tilezero|"
                 r"tilerelease)\s")),

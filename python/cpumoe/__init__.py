@@ -48,7 +48,8 @@ __all__ = [
 
 
 def isa() -> str:
-    """Name of the ISA tier the ops run on: 'scalar', 'avx2' or 'avx512'."""
+    """Name of the ISA tier the ops run on: one of cpumoe.built_isas(), e.g. 'scalar', 'avx2',
+    'avx512', 'avx512bf16' or 'amx'."""
     return _C.active_isa()
 
 

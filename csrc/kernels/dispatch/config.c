@@ -157,27 +157,26 @@ static void cm_config_init__avx512bf16(cm_tier_config *c) {
   g->kernels.fp8.gemm_decode = cm_fp8_gemm_pairs_mrx32__avx512bf16;
 }
 
-/* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles). INT8 and INT4 run tdpbusd on the same VNNI-4 weights, bf16
- * runs tdpbf16ps (its own numerics class, docs/NUMERICS.md), FP8 with bf16 activations
- * decodes each chunk to bf16 once and runs tdpbf16ps on it. fp16 has no tile instruction
- * here and keeps the vector kernels. INT8 keeps the VNNI kernel for blocks of up to
+/* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles). INT8 and INT4 run tdpbusd on the same
+ * VNNI-4 weights, bf16 runs tdpbf16ps (its own numerics class, docs/NUMERICS.md), FP8 with bf16
+ * activations decodes each chunk to bf16 once and runs tdpbf16ps on it. fp16 has no tile
+ * instruction here and keeps the vector kernels. INT8 keeps the VNNI kernel for blocks of up to
  * CM_AMX_INT8_VECTOR_ROWS rows. */
 #define CM_AMX_INT8_VECTOR_ROWS 8
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
   c->probes.bf16 = cm_probe_bf16_loop__amx;
   c->probes.int8 = cm_probe_int8_loop__amx;
-  /* bf16 GEMMs of every block on the tile unit, one row too: a token's bits then do not
-   * depend on the batch it came in (tdpbf16ps and vdpbf16ps round differently), and two
-   * dot products per 2 KiB of weights still outrun the memory stream at one row. */
+  /* Blocks of 1 or 2 rows keep the parent's vdpbf16ps kernels: at decode (M = 1) they stream
+   * the weights 10-20 % faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
+   * round differently, so on this tier a token's bf16 bits can depend on how many rows its
+   * experts got in the batch (docs/NUMERICS.md). */
   cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
   g->mr = CM_TILE_MR_AMX;
-  g->decode_max_rows = 0;
   g->a_format = CM_PANEL_BF16_ROWS;
   g->kernels.unquant.gemm = cm_bf16_gemm_rows_mrx32__amx;
   g = &c->gemm[CM_FP8][CM_BF16];
   g->mr = CM_TILE_MR_AMX;
-  g->decode_max_rows = 0;
   g->a_format = CM_PANEL_BF16_ROWS;
   g->kernels.fp8.decode_chunk = cm_fp8_to_bf16__avx512bf16;
   g->kernels.fp8.gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;

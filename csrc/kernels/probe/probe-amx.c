@@ -23,6 +23,9 @@ typedef struct probe_tile_config {
 } probe_tile_config;
 
 static void configure_probe_tiles(void) {
+  /* tiles a GEMM kernel left configured on this thread are released first, so that its
+   * next call configures them again (the probe releases them when it ends) */
+  cm_amx_end_op__amx();
   _Alignas(64) probe_tile_config cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;

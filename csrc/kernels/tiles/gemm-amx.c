@@ -147,8 +147,9 @@ static void fill_tail(tail_tiles *t, size_t mr, const uint8_t *a, size_t a_bytes
 /* A k step's weights (32 lines) a few steps ahead: a stream from memory needs more misses
  * in flight than the hardware prefetchers keep. */
 static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, size_t step_bytes) {
-  for (int l = 0; l < 32; l++)
-    _mm_prefetch((const char *)b + CM_AMX_PF_L1_STEPS * step_bytes + 64 * l, _MM_HINT_T0);
+  if (CM_AMX_PF_L1_STEPS)
+    for (int l = 0; l < 32; l++)
+      _mm_prefetch((const char *)b + CM_AMX_PF_L1_STEPS * step_bytes + 64 * l, _MM_HINT_T0);
   if (CM_AMX_PF_L2_STEPS)
     for (int l = 0; l < 32; l++)
       _mm_prefetch((const char *)b + CM_AMX_PF_L2_STEPS * step_bytes + 64 * l, _MM_HINT_T1);

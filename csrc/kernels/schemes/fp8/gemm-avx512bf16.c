@@ -38,14 +38,16 @@
  * tiers' bits, except that vdpbf16ps treats denormal inputs and accumulators as zero and
  * flushes denormal results (DAZ, FTZ): an A that is denormal or products near 2^-126.
  *
- * Two ways to use the weights, chosen by the pipeline:
- *   decode  (mr <= 4): cm_fp8_gemm_pairs_mrx32 decodes in registers, nothing stored. Tile
- *           4 x 32, 8 accumulators: the decode is shared by the rows, but each row adds 2
- *           vdpbf16ps (4 port-5 cycles) per k pair, so at 4 rows they already take 16 of
- *           ~22 cycles; larger blocks reuse each decoded chunk across panels instead.
- *   prefill: cm_fp8_to_bf16 decodes a chunk once to bf16 VNNI-2 in memory order (the
- *           layout of 16-bit weights), then cm_bf16_gemm_pairs_mrx32 (unquant/) runs every
- *           panel on it; the fold is the tier's fp8 fold.
+ * Two kernels:
+ *   cm_fp8_gemm_pairs_mrx32 (mr <= 4) decodes in registers, nothing stored. Tile 4 x 32,
+ *           8 accumulators: the decode is shared by the rows, but each row adds 2 vdpbf16ps
+ *           (4 port-5 cycles) per k pair, so at 4 rows they already take 16 of ~22 cycles.
+ *           The avx512bf16 config gives it blocks of 1 row only (dispatch/config.c); larger
+ *           blocks keep the avx512 tier's chunk path.
+ *   cm_fp8_to_bf16 decodes a chunk once to bf16 VNNI-2 in memory order (the layout of
+ *           16-bit weights): the amx tier's FP8 chunk path feeds it to the tile GEMM
+ *           (tiles/gemm-amx.c); tests/c/kernels checks that it followed by
+ *           cm_bf16_gemm_pairs_mrx32 and the fold equals the register decode.
  */
 #include <immintrin.h>
 #include <string.h>
