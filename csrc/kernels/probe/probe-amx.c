@@ -54,28 +54,26 @@ static void sink_tile(void) {
   _tile_release();
 }
 
+/* `iterations` of the 2 x 2 blocking: C tiles 0..3 from A tiles 4, 5 and B tiles 6, 7; the
+ * operations done, each instruction being 16 x 16 x k_per_dword products */
+#define CM_PROBE_TILE_LOOP(DP, word, k_per_dword)                       \
+  do {                                                                  \
+    configure_probe_tiles();                                            \
+    load_operands(word);                                                \
+    for (int64_t it = 0; it < iterations; it++) {                       \
+      DP(0, 4, 6);                                                      \
+      DP(1, 4, 7);                                                      \
+      DP(2, 5, 6);                                                      \
+      DP(3, 5, 7);                                                      \
+    }                                                                   \
+    sink_tile();                                                        \
+    return (double)iterations * 4.0 * 16 * 16 * 16 * (k_per_dword) * 2; \
+  } while (0)
+
 double cm_probe_bf16_loop__amx(int64_t iterations) {
-  configure_probe_tiles();
-  load_operands(0x3c80); /* bf16 2^-6 */
-  for (int64_t it = 0; it < iterations; it++) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  sink_tile();
-  return (double)iterations * 4.0 * 16 * 16 * 32 * 2;
+  CM_PROBE_TILE_LOOP(_tile_dpbf16ps, 0x3c80 /* bf16 2^-6 */, 2);
 }
 
 double cm_probe_int8_loop__amx(int64_t iterations) {
-  configure_probe_tiles();
-  load_operands(0x0101);
-  for (int64_t it = 0; it < iterations; it++) {
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    _tile_dpbusd(2, 5, 6);
-    _tile_dpbusd(3, 5, 7);
-  }
-  sink_tile();
-  return (double)iterations * 4.0 * 16 * 16 * 64 * 2;
+  CM_PROBE_TILE_LOOP(_tile_dpbusd, 0x0101, 4);
 }

@@ -52,7 +52,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "common/tile-avx512.h"
+#include "common/tile-avx512bf16.h"
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
@@ -145,18 +145,6 @@ static inline __attribute__((always_inline)) __m512i load_once(const void *p) {
   return v;
 }
 
-/* The 32 bf16 of a vector as vdpbf16ps's operand type: a reinterpretation, no instruction.
- * The emulating build's vector types are not GCC vectors of one size, so it copies. */
-static inline __attribute__((always_inline)) __m512bh as_bf16x32(__m512i v) {
-#ifdef CM_PORTABLE_INTRINSICS
-  __m512bh r;
-  memcpy(&r, &v, sizeof r);
-  return r;
-#else
-  return (__m512bh)v;
-#endif
-}
-
 /* Decode kernel. The bytes are interleaved within 128-bit lanes (vpunpck[lh]bw, one uop each
  * where a full permute takes two): lane l of the unpack-low vector holds columns 8l..8l+3,
  * of the unpack-high vector 8l+4..8l+7, each dword (k even, k odd); a rotate (port 0) makes
@@ -177,12 +165,14 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     cm_prefetch_ahead__avx512(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
     __m512i lo, hi;
     decode_bytes(&dec, load_once(bk), &lo, &hi);
-    const __m512bh b0 = as_bf16x32(_mm512_rol_epi32(_mm512_unpacklo_epi8(lo, hi), 16));
-    const __m512bh b1 = as_bf16x32(_mm512_rol_epi32(_mm512_unpackhi_epi8(lo, hi), 16));
+    const __m512bh b0 =
+        cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_unpacklo_epi8(lo, hi), 16));
+    const __m512bh b1 =
+        cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_unpackhi_epi8(lo, hi), 16));
     const uint32_t *ak = a + kp * as;
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
-      const __m512bh x = as_bf16x32(_mm512_set1_epi32((int)ak[r]));
+      const __m512bh x = cm_as_bf16x32__avx512bf16(_mm512_set1_epi32((int)ak[r]));
       p0[r] = _mm512_dpbf16_ps(p0[r], x, b0);
       p1[r] = _mm512_dpbf16_ps(p1[r], x, b1);
     }

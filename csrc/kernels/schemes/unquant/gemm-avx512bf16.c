@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "common/tile-avx512.h"
+#include "common/tile-avx512bf16.h"
 #include "common/ukernels.h"
 
 #define MR CM_TILE_MR_AVX512
@@ -39,18 +39,6 @@
  * and 13.5-14.0 GB/s with the avx512 kernel's prefetcht0 2 KiB + prefetcht1 8 KiB, against
  * a 14.2-15.9 GB/s read loop; 4 and 16 KiB ahead did about as well as 8. */
 #define CM_PREFETCH_L2_BYTES 8192
-
-/* The 32 bf16 of a vector as vdpbf16ps's operand type: a reinterpretation, no instruction.
- * The emulating build's vector types are not GCC vectors of one size, so it copies. */
-static inline __attribute__((always_inline)) __m512bh as_bf16x32(__m512i v) {
-#ifdef CM_PORTABLE_INTRINSICS
-  __m512bh r;
-  memcpy(&r, &v, sizeof r);
-  return r;
-#else
-  return (__m512bh)v;
-#endif
-}
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t k,
                                                             const uint32_t *restrict a, size_t as,
@@ -65,12 +53,13 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     _mm_prefetch((const char *)bk + CM_PREFETCH_L2_BYTES, _MM_HINT_T1);
     _mm_prefetch((const char *)bk + CM_PREFETCH_L2_BYTES + 64, _MM_HINT_T1);
     /* (k even, k odd) -> (k odd, k even): k even in the high half, as in A */
-    const __m512bh b0 = as_bf16x32(_mm512_rol_epi32(_mm512_loadu_si512(bk), 16));
-    const __m512bh b1 = as_bf16x32(_mm512_rol_epi32(_mm512_loadu_si512(bk + 32), 16));
+    const __m512bh b0 = cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_loadu_si512(bk), 16));
+    const __m512bh b1 =
+        cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_loadu_si512(bk + 32), 16));
     const uint32_t *ak = a + kp * as;
 #pragma GCC unroll 12
     for (int r = 0; r < mr; r++) {
-      const __m512bh x = as_bf16x32(_mm512_set1_epi32((int)ak[r]));
+      const __m512bh x = cm_as_bf16x32__avx512bf16(_mm512_set1_epi32((int)ak[r]));
       acc0[r] = _mm512_dpbf16_ps(acc0[r], x, b0);
       acc1[r] = _mm512_dpbf16_ps(acc1[r], x, b1);
     }
