@@ -168,7 +168,7 @@ static void cm_config_init__amx(cm_tier_config *c) {
   c->probes.bf16 = cm_probe_bf16_loop__amx;
   c->probes.int8 = cm_probe_int8_loop__amx;
   /* Blocks of 1 or 2 rows keep the parent's vdpbf16ps kernels: at decode (M = 1) they stream
-   * the weights 10-20 % faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
+   * the weights 18-27 % faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
    * round differently, so on this tier a token's bf16 bits can depend on how many rows its
    * experts got in the batch (docs/NUMERICS.md). */
   cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
