@@ -161,14 +161,15 @@ static void cm_config_init__avx512bf16(cm_tier_config *c) {
  * VNNI-4 weights, bf16 runs tdpbf16ps (its own numerics class, docs/NUMERICS.md), FP8 with bf16
  * activations decodes each chunk to bf16 once and runs tdpbf16ps on it. fp16 has no tile
  * instruction here and keeps the vector kernels. INT8 keeps the VNNI kernel for blocks of up to
- * CM_AMX_INT8_VECTOR_ROWS rows. */
+ * CM_AMX_INT8_VECTOR_ROWS rows, where it is faster than a tile pass of 16 rows
+ * (docs/PERFORMANCE-HISTORY.md). */
 #define CM_AMX_INT8_VECTOR_ROWS 8
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
   c->probes.bf16 = cm_probe_bf16_loop__amx;
   c->probes.int8 = cm_probe_int8_loop__amx;
   /* Blocks of 1 or 2 rows keep the parent's vdpbf16ps kernels: at decode (M = 1) they stream
-   * the weights 18-27 % faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
+   * the weights faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
    * round differently, so on this tier a token's bf16 bits can depend on how many rows its
    * experts got in the batch (docs/NUMERICS.md). */
   cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];

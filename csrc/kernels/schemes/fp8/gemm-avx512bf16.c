@@ -21,15 +21,13 @@
  * sign is or-ed into the high byte, and the two byte vectors are interleaved into the 32
  * dwords of the k pair. No microcode assist on any code.
  *
- * Cost, and why it is spent this way (measured on the machine of docs/NUMERICS.md, 2 cores):
- * vdpbf16ps zmm issues once per 2 cycles with ~7.5 cycles of latency, and occupies port 5
- * for those 2 cycles, the port every shuffle needs (vpermb, vpunpck*: 1 cycle; vpermi2b,
- * vpermt2b: 2). So the decode keeps to 5 port-5 cycles per 64 bytes (one vpermi2b, one
- * vpermb, two unpacks) and puts the rest on port 0 (a shift, two ternary-logic ops, two
- * rotates); the avx512 tier's decode spends ~19 vector uops. L1-resident at M=1: 9.5-9.7
- * cycles per k pair (avx512: 10.3-10.7), the 2 vdpbf16ps' 4 port-5 cycles plus the decode's
- * 5; from DRAM, single thread, 12.3-12.5 GB/s of weights (avx512: 12.0-12.3) against a
- * 13.0-14.6 GB/s read loop.
+ * Cost, and why it is spent this way (instruction costs measured on the Xeon of
+ * docs/NUMERICS.md): vdpbf16ps zmm issues once per 2 cycles and occupies port 5 for both,
+ * the port every shuffle needs (vpermb, vpunpck*: 1 cycle; vpermi2b, vpermt2b: 2). So the
+ * decode keeps to 5 port-5 cycles per 64 bytes (one vpermi2b, one vpermb, two unpacks) and
+ * puts the rest on port 0 (a shift, two ternary-logic ops, two rotates), where the avx512
+ * tier's decode spends ~19 vector uops: per k pair the 2 vdpbf16ps' 4 port-5 cycles plus the
+ * decode's 5. Its speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
  *
  * Order of the sums (decode kernel): the interleave puts k even in each dword's high half,
  * as in A, and vdpbf16ps adds the high pair's product first, then the low pair's, each a
@@ -59,7 +57,7 @@
 /* Decode prefetch, bytes of weights ahead: prefetcht0 1 KiB and prefetcht1 8 KiB, one line
  * per k pair, as the avx512 fp8 kernel. Pairs from 512 B + 4 KiB to 2 KiB + 32 KiB did
  * about as well at M=1 from DRAM; prefetcht1 alone (4 or 8 KiB), which suits the bf16
- * kernel, was ~6% slower here. */
+ * kernel, was slower here (docs/PERFORMANCE-HISTORY.md). */
 #define CM_FP8_PREFETCH_L1_BYTES 1024
 #define CM_FP8_PREFETCH_L2_BYTES 8192
 
@@ -134,8 +132,7 @@ static inline __attribute__((always_inline)) void decode_bytes(const e4m3_decode
 
 /* The 64 bytes at p, loaded once. Compilers fold the load into each of the three instructions
  * of decode_bytes that read it, and at decode, where the line is still on its way from DRAM,
- * the repeated loads cost ~10% of the weights' rate (fp8 M=1: 12.9-13.1 vs 14.5-14.7 GB/s
- * against a 15.4-16.1 GB/s read loop, single thread). */
+ * the repeated loads slow the weights' stream down (docs/PERFORMANCE-HISTORY.md). */
 static inline __attribute__((always_inline)) __m512i load_once(const void *p) {
   __m512i v = _mm512_loadu_si512(p);
 #ifndef CM_PORTABLE_INTRINSICS

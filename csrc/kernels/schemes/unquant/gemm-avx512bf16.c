@@ -21,11 +21,10 @@
  * Tile 12 x 32 and why: per k pair the two 64-byte B loads need one rotate each and each
  * row 2 accumulators: 12 rows x 2 + 2 B vectors = 26 of 32 zmm (A is broadcast from memory
  * into the instruction), 24 vdpbf16ps per 2 rotates (port 0), 24 independent chains.
- * Measured on the machine of docs/NUMERICS.md: vdpbf16ps zmm issues once per 2 cycles
- * (~7.5 cycles of latency), so 24 of them take 48 cycles per k pair, where the avx512
- * kernel's 48 fp32 FMAs take 24 (L1-resident: 48-50 vs 27-30 cycles per k pair at 12 rows): with
- * many rows this kernel is compute-bound and slower than the fp32 one; at M=1 both stream
- * the weights at about the read bandwidth.
+ * vdpbf16ps zmm issues once per 2 cycles on the Xeon measured, so 24 of them take 48 cycles
+ * per k pair where the avx512 kernel's 48 fp32 FMAs take 24: with many rows this kernel is
+ * compute-bound and slower than the fp32 one, at few rows both stream the weights at about
+ * the read bandwidth (docs/PERFORMANCE-HISTORY.md). Hence the config gives it few rows.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -34,10 +33,9 @@
 #include "common/ukernels.h"
 
 #define MR CM_TILE_MR_AVX512
-/* Decode prefetch: both lines of a k pair 8 KiB ahead into L2 (prefetcht1), nothing into L1.
- * At M=1 from DRAM, single thread, this kernel streamed 14.6-15.0 GB/s of weights this way
- * and 13.5-14.0 GB/s with the avx512 kernel's prefetcht0 2 KiB + prefetcht1 8 KiB, against
- * a 14.2-15.9 GB/s read loop; 4 and 16 KiB ahead did about as well as 8. */
+/* Decode prefetch: both lines of a k pair 8 KiB ahead into L2 (prefetcht1), nothing into L1:
+ * faster at M=1 from DRAM than the avx512 kernel's L1 + L2 pair; 4 and 16 KiB ahead did
+ * about as well (docs/PERFORMANCE-HISTORY.md). */
 #define CM_PREFETCH_L2_BYTES 8192
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t k,
