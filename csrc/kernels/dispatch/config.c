@@ -164,6 +164,13 @@ static void cm_config_init__avx512bf16(cm_tier_config *c) {
  * CM_AMX_INT8_VECTOR_ROWS rows, where it is faster than a tile pass of 16 rows
  * (docs/PERFORMANCE-HISTORY.md). */
 #define CM_AMX_INT8_VECTOR_ROWS 8
+/* g's main kernels become tile kernels: panels of CM_TILE_MR_AMX rows in `format` */
+static cm_gemm_config *on_tiles(cm_gemm_config *g, cm_panel_format format) {
+  g->mr = CM_TILE_MR_AMX;
+  g->a_format = format;
+  return g;
+}
+
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
   c->probes.bf16 = cm_probe_bf16_loop__amx;
@@ -172,27 +179,20 @@ static void cm_config_init__amx(cm_tier_config *c) {
    * the weights faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
    * round differently, so on this tier a token's bf16 bits can depend on how many rows its
    * experts got in the batch (docs/NUMERICS.md). */
-  cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
-  g->mr = CM_TILE_MR_AMX;
-  g->a_format = CM_PANEL_BF16_ROWS;
-  g->kernels.unquant.gemm = cm_bf16_gemm_rows_mrx32__amx;
-  g = &c->gemm[CM_FP8][CM_BF16];
-  g->mr = CM_TILE_MR_AMX;
-  g->a_format = CM_PANEL_BF16_ROWS;
-  g->kernels.fp8.decode_chunk = cm_fp8_to_bf16__avx512bf16;
-  g->kernels.fp8.gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
+  on_tiles(&c->gemm[CM_UNQUANT][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.unquant.gemm =
+      cm_bf16_gemm_rows_mrx32__amx;
+  cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
+  fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
+  fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
-    g = &c->gemm[CM_INT8][act];
+    /* the parent's VNNI kernel and its panels become the decode path */
+    cm_gemm_config *g = &c->gemm[CM_INT8][act];
     g->decode_a_format = g->a_format;
     g->kernels.int8.gemm_decode = g->kernels.int8.gemm;
     g->decode_max_rows = CM_AMX_INT8_VECTOR_ROWS;
-    g->mr = CM_TILE_MR_AMX;
-    g->a_format = CM_PANEL_U8_ROWS;
-    g->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
-    g = &c->gemm[CM_INT4][act];
-    g->mr = CM_TILE_MR_AMX;
-    g->a_format = CM_PANEL_U8_ROWS;
-    g->kernels.int4.gemm_u8s8 = cm_u8s8_gemm_rows_mrx32__amx;
+    on_tiles(g, CM_PANEL_U8_ROWS)->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
+    on_tiles(&c->gemm[CM_INT4][act], CM_PANEL_U8_ROWS)->kernels.int4.gemm_u8s8 =
+        cm_u8s8_gemm_rows_mrx32__amx;
   }
 }
 

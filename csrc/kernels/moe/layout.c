@@ -13,21 +13,20 @@ static size_t align64(size_t x) {
 cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm) {
   cm_layout l;
   const cm_panel_packer *packer = &cm_panel_packers[gemm->a_format];
-  const cm_panel_packer *decode_packer = &cm_panel_packers[gemm->decode_a_format];
+  const cm_panel_packer *decode_packer = cm_decode_packer_of(gemm); /* NULL: none */
   const cm_scheme_traits *traits = cm_scheme_traits_of(p->scheme);
   const size_t mr = gemm->mr;
   const int64_t chunk = p->M < CM_CHUNK_TOKENS ? p->M : CM_CHUNK_TOKENS;
   l.slots = chunk * p->topk;
   l.max_panels = (l.slots + (int64_t)mr - 1) / (int64_t)mr + (p->E < l.slots ? p->E : l.slots);
   for (int stage = 1; stage <= 2; stage++)
-    l.sum_blocks[stage - 1] =
-        packer->block_sums || (gemm->decode_max_rows && decode_packer->block_sums)
-            ? traits->reduction_blocks(p, stage)
-            : 0;
+    l.sum_blocks[stage - 1] = packer->block_sums || (decode_packer && decode_packer->block_sums)
+                                  ? traits->reduction_blocks(p, stage)
+                                  : 0;
   /* quantized formats: rows quantized once per token (xq, xs) and once per mid row (midq);
    * A panels hold at most 4 bytes per element (fp32), plus the rows a tile load may read
    * past the last panel; scales one float per row */
-  const int quantized = packer->quantized || (gemm->decode_max_rows && decode_packer->quantized);
+  const int quantized = packer->quantized || (decode_packer && decode_packer->quantized);
   const int64_t slack = CM_PANEL_SLACK_ROWS;
   size_t at = 0;
   l.offsets = at, at = align64(at + sizeof(int64_t) * (size_t)(p->E + 1));

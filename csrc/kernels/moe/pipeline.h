@@ -114,6 +114,11 @@ typedef struct cm_panel_packer {
 
 extern const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT];
 
+/* The packer of the panels a config's decode kernel takes; NULL when it has none. */
+static inline const cm_panel_packer *cm_decode_packer_of(const cm_gemm_config *g) {
+  return g->decode_max_rows ? &cm_panel_packers[g->decode_a_format] : NULL;
+}
+
 /* Everything a task needs, for one chunk of tokens [m0, m0 + mc). */
 struct cm_run {
   const cpumoe_moe_problem *p;
@@ -121,7 +126,10 @@ struct cm_run {
   const cm_gemm_config *gemm; /* the (scheme, tier) config */
   const cm_scheme_traits *traits;
   const cm_panel_packer *packer;        /* panels of the main kernels ... */
-  const cm_panel_packer *decode_packer; /* ... and of the decode kernel */
+  const cm_panel_packer *decode_packer; /* ... and of the decode kernel (NULL: none) */
+  /* the per-token step of those formats (quantizing x once), or NULL; formats that have
+   * one share it (prepare_token_u8) */
+  void (*prepare_token)(const cm_run *r, int64_t t);
   cm_widen_fn widen;
   cm_narrow_fn narrow;
   cm_round_fn round16;

@@ -29,16 +29,9 @@ static const cm_block *task_block(const cm_block *blocks, int64_t t, int64_t til
   return &blocks[any->expert_first_block + local % any->expert_blocks];
 }
 
-/* The per-token step of the panels' formats (both formats of a config that quantize
- * share it: prepare_token_u8). */
-static void (*prepare_token_of(const cm_run *r))(const cm_run *, int64_t) {
-  if (r->packer->prepare_token) return r->packer->prepare_token;
-  return r->gemm->decode_max_rows ? r->decode_packer->prepare_token : NULL;
-}
-
 static void prepare_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
-  prepare_token_of(r)(r, t);
+  r->prepare_token(r, t);
 }
 
 static void pack_panel(const cm_run *r, const cm_panel *pn, int stage) {
@@ -164,13 +157,18 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
   const int bf16 = p->act_dtype == CPUMOE_DTYPE_BF16;
   const cm_elementwise_kernels *ew = &tier->elementwise;
+  const cm_panel_packer *packer = &cm_panel_packers[gemm->a_format];
+  const cm_panel_packer *decode_packer = cm_decode_packer_of(gemm);
   cm_run r = {
       .p = p,
       .ew = ew,
       .gemm = gemm,
       .traits = cm_scheme_traits_of(p->scheme),
-      .packer = &cm_panel_packers[gemm->a_format],
-      .decode_packer = &cm_panel_packers[gemm->decode_a_format],
+      .packer = packer,
+      .decode_packer = decode_packer,
+      .prepare_token = packer->prepare_token ? packer->prepare_token
+                       : decode_packer       ? decode_packer->prepare_token
+                                             : NULL,
       .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
       .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
@@ -203,9 +201,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
     int64_t n_panels = 0;
     for (int64_t b = 0; b < r.n_blocks; b++) n_panels += r.blocks[b].panels;
     const cm_stage stages[] = {
-        {prepare_token_of(&r) ? r.mc : 0, prepare_task}, {n_panels, pack1_task},
-        {r.n_blocks * r.n_tiles1, gemm1_task},           {n_panels, pack2_task},
-        {r.n_blocks * r.n_tiles2, gemm2_task},           {r.mc, reduce_task},
+        {r.prepare_token ? r.mc : 0, prepare_task}, {n_panels, pack1_task},
+        {r.n_blocks * r.n_tiles1, gemm1_task},      {n_panels, pack2_task},
+        {r.n_blocks * r.n_tiles2, gemm2_task},      {r.mc, reduce_task},
     };
     cm_parallel_stages(runner, stages, (int)(sizeof stages / sizeof stages[0]), &r, tier->end_op);
   }
