@@ -20,6 +20,10 @@ cpumoe_runner aten_runner();
 // A new contiguous CPU tensor of `like`'s shape and dtype: the op's output.
 at::Tensor new_output_like(const at::Tensor &like);
 
+// A new contiguous tensor for packed weights, on transparent huge pages where the OS gives
+// them (it is streamed whole on every call). Its contents are uninitialized.
+at::Tensor new_packed_weight(at::IntArrayRef sizes, const at::TensorOptions &options);
+
 // Runs a checked fused-MoE problem on torch's threads with the calling thread's workspace.
 void run_problem(const cpumoe_moe_problem &problem, const char *op);
 
@@ -33,6 +37,7 @@ std::vector<std::string> built_isas();
 std::string numerics_class(const std::string &tier);
 void release_workspace();
 size_t workspace_bytes();
+at::Tensor new_weight_buffer(int64_t nbytes);
 double probe_read(const at::Tensor &buffer, int64_t passes);
 double probe_int8(int64_t iterations);
 double probe_fma(int64_t iterations);

@@ -190,14 +190,16 @@ def _read_bandwidth_samples(buffer_bytes: Optional[int] = None, runs: int = 5,
                             passes: int = 2) -> dict:
     """Streams a buffer of ones with ``_C.probe_read`` on torch's threads: one untimed
     warm-up pass, then ``runs`` timed runs of ``passes`` passes each. Returns the per-run
-    GB/s (1e9 bytes/s) and the buffer size."""
+    GB/s (1e9 bytes/s) and the buffer size. The buffer is allocated as cpumoe's packers
+    allocate packed weights (``_C.new_weight_buffer``: transparent huge pages where the OS
+    gives them), so the limit and the weights are read the same way."""
     size = int(buffer_bytes) if buffer_bytes else default_read_buffer_bytes()
     workers = min(torch.get_num_threads(), 256)
     per_worker = (size // workers) & ~511  # what cpumoe_probe_read actually streams
     if per_worker <= 0:
         raise ValueError(f"read buffer of {size} bytes is too small for {workers} threads")
     streamed = per_worker * workers * passes
-    buf = torch.ones(size, dtype=torch.uint8)
+    buf = _C.new_weight_buffer(size).fill_(1)
     try:
         _C.probe_read(buf, 1)  # warm-up: TLB, page tables, clock ramp
         samples = []

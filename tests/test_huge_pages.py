@@ -1,0 +1,77 @@
+"""Packed weights are allocated on transparent huge pages where Linux offers them.
+
+The packers (and ``_C.new_weight_buffer``, which the bench's bandwidth probe streams) ask
+the kernel with ``madvise(MADV_HUGEPAGE)`` for the 2 MiB-aligned interior of the new tensor,
+before the packer writes it. Whether the kernel then *gives* huge pages depends on its
+settings and on fragmentation, so the test checks what is deterministic: the mapping that
+holds the packed bytes carries the advice (``hg`` in its ``VmFlags`` in /proc/self/smaps),
+and the packed bytes are the same as without it (test_packing covers their values).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import _C
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists("/proc/self/smaps") and os.path.exists(THP)),
+    reason="needs Linux with transparent huge pages (/proc/self/smaps, " + THP + ")")
+
+HUGE = 2 << 20
+
+
+def vm_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that contains ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def interior(t: torch.Tensor) -> int:
+    """An address in the first 2 MiB-aligned huge page inside ``t``'s bytes."""
+    first = (t.data_ptr() + HUGE - 1) & ~(HUGE - 1)
+    assert first + HUGE <= t.data_ptr() + t.numel() * t.element_size()
+    return first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8,
+                                   torch.float8_e4m3fn])
+def test_packed_weights_advised(dtype):
+    E, OC, IC = 4, 256, 4096  # 4-8 MiB: a few huge pages inside
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (E, OC, IC), dtype=torch.int8)
+    else:
+        w = torch.randn(E, OC, IC).to(dtype)
+    packed = cpumoe.convert_weight_packed(w)
+    assert "hg" in vm_flags(interior(packed))
+
+
+def test_int4_packed_weights_advised():
+    E, OC, IC, G = 4, 512, 4096, 32  # 4.5 MiB packed
+    qweight = torch.randint(-2**31, 2**31 - 1, (E, IC, OC // 8), dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (E, G, OC // 8), dtype=torch.int32)
+    scales = torch.rand(E, G, OC, dtype=torch.bfloat16)
+    packed, _, _ = cpumoe.convert_weight_packed_scale_zp(qweight, qzeros, scales, 0)
+    assert "hg" in vm_flags(interior(packed))
+
+
+def test_weight_buffer():
+    buf = _C.new_weight_buffer(3 * HUGE)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 * HUGE and buf.is_contiguous()
+    assert "hg" in vm_flags(interior(buf))
+    assert _C.new_weight_buffer(0).numel() == 0
+    with pytest.raises(RuntimeError, match="nbytes must be >= 0"):
+        _C.new_weight_buffer(-1)
