@@ -571,6 +571,7 @@ static const moe_case g_cases[] = {
    NO_IDS | NO_WEIGHTS},
   {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
    BIAS | RESIDUAL | OUT_IS_X},
+  {"fp16 decode 2 rows", UNQUANT, F16,   2,  96,  64, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
   {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
   {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,

@@ -25,15 +25,6 @@ CM_INLINE __m512i cm_broadcast_dword__avx512(const uint8_t *p) {
   return _mm512_set1_epi32(v);
 }
 
-/* The decode kernels' read-ahead: `lines` cache lines from `near` bytes past p into L1
- * (prefetcht0) and, if `far` is not 0, from `far` bytes past p into L2 (prefetcht1). */
-CM_INLINE void cm_prefetch_ahead__avx512(const void *p, size_t near, size_t far, int lines) {
-  const char *q = (const char *)p;
-  for (int l = 0; l < lines; l++) _mm_prefetch(q + near + 64 * l, _MM_HINT_T0);
-  if (far)
-    for (int l = 0; l < lines; l++) _mm_prefetch(q + far + 64 * l, _MM_HINT_T1);
-}
-
 /* acc = C (accumulate) or +0 */
 CM_INLINE void cm_tile_load__avx512(const int mr, __m512 *acc0, __m512 *acc1, const float *c,
                                     int accumulate) {

@@ -78,6 +78,16 @@ static inline __attribute__((always_inline)) void cm_prefetch_step(cm_prefetch_c
   }
 }
 
+/* The decode kernels' read-ahead: `lines` cache lines from `near` bytes past p into L1
+ * (prefetcht0) and, if `far` is not 0, from `far` bytes past p into L2 (prefetcht1). */
+static inline __attribute__((always_inline)) void cm_prefetch_ahead(const void *p, size_t near,
+                                                                    size_t far, int lines) {
+  const char *q = (const char *)p;
+  for (int l = 0; l < lines; l++) __builtin_prefetch(q + near + 64 * l, 0, 3);
+  if (far)
+    for (int l = 0; l < lines; l++) __builtin_prefetch(q + far + 64 * l, 0, 2);
+}
+
 /* Requests what is left (a loop that ran fewer steps than planned, e.g. kc < 4). */
 static inline __attribute__((always_inline)) void cm_prefetch_finish(cm_prefetch_cursor *c) {
   for (; c->next < c->end; c->next += 64) __builtin_prefetch(c->next, 0, 2);
@@ -335,6 +345,14 @@ CM_DECLARE_ALL_KERNELS(scalar)
 CM_DECLARE_ALL_KERNELS(avx2)
 CM_DECLARE_ALL_KERNELS(avx512)
 CM_DECLARE_INT4_DECODE(avx512)
+
+/* avx2: one-pass decode kernels for blocks of few rows (schemes/unquant, schemes/int8) */
+void cm_bf16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const void *, float *,
+                                     int, cm_prefetch);
+void cm_f16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const void *, float *,
+                                    int, cm_prefetch);
+void cm_u8s8_gemm_decode_1x32__avx2(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                    int32_t *, int, cm_prefetch);
 
 /* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
 void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,

@@ -102,7 +102,9 @@ static void cm_config_init__scalar(cm_tier_config *c) {
   }
 }
 
-/* A tier that has its own version of every kernel kind (its tile rows still to be set). */
+/* A tier that has its own version of every kernel kind (its tile rows still to be set). The
+ * unquantized and INT8 sets have no decode kernel of their own, so a parent's decode split
+ * for them is dropped with the parent's kernels. */
 #define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                            \
   do {                                                                               \
     (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                 \
@@ -110,6 +112,8 @@ static void cm_config_init__scalar(cm_tier_config *c) {
     (c)->gemm[CM_UNQUANT][CM_BF16].kernels.unquant = CM_UNQUANT_KERNELS(tier, bf16); \
     (c)->gemm[CM_UNQUANT][CM_F16].kernels.unquant = CM_UNQUANT_KERNELS(tier, f16);   \
     for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {                             \
+      (c)->gemm[CM_UNQUANT][act].decode_max_rows = 0;                                \
+      (c)->gemm[CM_INT8][act].decode_max_rows = 0;                                   \
       (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
       (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
       (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
@@ -121,9 +125,24 @@ static void cm_config_init__scalar(cm_tier_config *c) {
   for (cm_gemm_config *g = &(c)->gemm[0][0]; \
        g < &(c)->gemm[0][0] + CM_SCHEME_COUNT * CM_ACT_DTYPE_COUNT; g++)
 
+/* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
+ * 2 rows in 16 ymm, INT8 8 int32 accumulators for 1 row. */
+#define CM_AVX2_UNQUANT_DECODE_ROWS 2
+#define CM_AVX2_INT8_DECODE_ROWS 1
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    cm_gemm_config *g = &c->gemm[CM_UNQUANT][act];
+    g->decode_max_rows = CM_AVX2_UNQUANT_DECODE_ROWS;
+    g->decode_a_format = CM_PANEL_F32;
+    g->kernels.unquant.gemm_decode =
+        act == CM_BF16 ? cm_bf16_gemm_decode_mrx32__avx2 : cm_f16_gemm_decode_mrx32__avx2;
+    g = &c->gemm[CM_INT8][act];
+    g->decode_max_rows = CM_AVX2_INT8_DECODE_ROWS;
+    g->decode_a_format = CM_PANEL_U8_QUADS;
+    g->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_1x32__avx2;
+  }
 }
 
 static void cm_config_init__avx512(cm_tier_config *c) {

@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) int gemm_fast(const int mr, size_t 
   __m512i track = _mm512_set1_epi8(-1), scratch[2];
   for (size_t kp = 0; kp < kc / 2; kp++) {
     const uint8_t *bk = b + kp * 64;
-    cm_prefetch_ahead__avx512(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
+    cm_prefetch_ahead(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
     const __m512i raw = _mm512_loadu_si512(bk);
     track = nan_track(track, raw);
     __m512 e0, o0, e1, o1;

@@ -159,7 +159,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     const uint8_t *bk = b + kp * 64;
     /* At decode the weights stream from DRAM once: keep more misses in flight than the L2
      * streamer alone does. Prefetches past the tile's end are harmless hints. */
-    cm_prefetch_ahead__avx512(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
+    cm_prefetch_ahead(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
     __m512i lo, hi;
     decode_bytes(&dec, load_once(bk), &lo, &hi);
     const __m512bh b0 =

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
   for (size_t kq = 0; kq < kc / 4; kq++) {
     cm_prefetch_step(&pf, kc / 4);
     const int8_t *bk = b + kq * 128;
-    cm_prefetch_ahead__avx512(bk, CM_INT8_PREFETCH_L1_BYTES, far, 2);
+    cm_prefetch_ahead(bk, CM_INT8_PREFETCH_L1_BYTES, far, 2);
     const __m512i b0 = _mm512_loadu_si512(bk);
     const __m512i b1 = _mm512_loadu_si512(bk + 64);
     const uint8_t *ak = a + kq * as * 4;

@@ -12,6 +12,14 @@
  *
  * Widening: bf16 is a shift / mask of each dword; fp16 gathers the even and odd
  * halves of each dword with one byte shuffle and a lane permute, then vcvtph2ps.
+ *
+ * Decode kernel (blocks of up to MR_DECODE = 2 rows, where the weights stream from memory
+ * once and are the whole cost): all 32 columns in one pass, so the stream is read in memory
+ * order, 128 bytes per k pair, both lines prefetched ahead (CM_DECODE_PF_*). Per row 4
+ * accumulators of 8 columns: 4 independent FMA chains, where the two-pass tile has 2 and
+ * its 4-cycle FMA latency bounds a one-row block below the memory stream. Each 16-byte
+ * quarter of the k pair is widened just before its FMAs: 2 rows x 4 accumulators + 4
+ * broadcasts + 2 widened = 14 ymm. Same chains, same bits as the tile.
  */
 #include <immintrin.h>
 
@@ -20,6 +28,10 @@
 
 #define MR CM_TILE_MR_AVX2
 #define CM_PREFETCH_KPAIRS 32
+#define MR_DECODE 2
+/* Decode read-ahead, bytes of weights: into L1 and into L2, both lines of each k pair. */
+#define CM_DECODE_PF_L1_BYTES 2048
+#define CM_DECODE_PF_L2_BYTES 8192
 
 typedef enum { W_BF16, W_F16 } weight_kind;
 
@@ -79,4 +91,60 @@ void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t a
   (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && as >= mr);
   CM_MR_SWITCH4(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
+}
+
+/* All 32 columns of mr <= MR_DECODE rows in one pass (see the header). */
+static inline __attribute__((always_inline)) void gemm_decode_body(const int mr, weight_kind kind,
+                                                                   size_t k, const float *a,
+                                                                   size_t as, const uint16_t *b,
+                                                                   float *c, int accumulate) {
+  __m256 acc[MR_DECODE][4];
+#pragma GCC unroll 2
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+      acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + 8 * j) : _mm256_setzero_ps();
+  for (size_t kp = 0; kp < k / 2; kp++) {
+    const uint16_t *bk = b + kp * 64;
+    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
+    __m256 x_even[MR_DECODE], x_odd[MR_DECODE];
+#pragma GCC unroll 2
+    for (int r = 0; r < mr; r++) {
+      x_even[r] = _mm256_broadcast_ss(a + 2 * kp * as + r);
+      x_odd[r] = _mm256_broadcast_ss(a + (2 * kp + 1) * as + r);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      __m256 even, odd;
+      widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16 * j)), &even, &odd);
+#pragma GCC unroll 2
+      for (int r = 0; r < mr; r++) {
+        acc[r][j] = _mm256_fmadd_ps(x_even[r], even, acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(x_odd[r], odd, acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + r * CM_NR + 8 * j, acc[r][j]);
+}
+
+#define CM_DECODE_SWITCH(kind)                                                              \
+  CM_EXPECT(k % 2 == 0 && as >= mr && mr >= 1 && mr <= MR_DECODE);                          \
+  if (mr == 1)                                                                              \
+    gemm_decode_body(1, kind, k, (const float *)a, as, (const uint16_t *)b, c, accumulate); \
+  else                                                                                      \
+    gemm_decode_body(2, kind, k, (const float *)a, as, (const uint16_t *)b, c, accumulate);
+
+void cm_bf16_gemm_decode_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                     float *c, int accumulate, cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
+  CM_DECODE_SWITCH(W_BF16)
+}
+
+void cm_f16_gemm_decode_mrx32__avx2(size_t mr, size_t k, const void *a, size_t as, const void *b,
+                                    float *c, int accumulate, cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
+  CM_DECODE_SWITCH(W_F16)
 }

@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, weight
     /* Weights stream from DRAM once per call (decode): ask for them ahead so that more
      * cache misses are in flight than the L2 streamer alone keeps. Prefetches past the
      * tile's end are harmless hints. */
-    cm_prefetch_ahead__avx512(bk, CM_PREFETCH_L1_BYTES, CM_PREFETCH_L2_BYTES, 2);
+    cm_prefetch_ahead(bk, CM_PREFETCH_L1_BYTES, CM_PREFETCH_L2_BYTES, 2);
     __m512 e0, o0, e1, o1;
     widen_pair(kind, _mm512_loadu_si512(bk), &e0, &o0);
     widen_pair(kind, _mm512_loadu_si512(bk + 32), &e1, &o1);
