@@ -45,4 +45,28 @@ static inline int8_t cm_int4_weight(const uint8_t *block, size_t k, int n, int8_
   return (int8_t)((high ? byte >> 4 : byte & 15) - zero);
 }
 
+/* ---- shared by the decode GEMMs (schemes/int4/gemm-*.c) ---- */
+
+/* Whole blocks whose nibbles cover `bytes`. Counted, not divided: it runs on every tile,
+ * and with 64-bit divisions here and per block (group = kb / group_blocks, ahead of the
+ * zero-point loads) the decode GEMM was measurably slower. */
+static inline size_t cm_int4_blocks_covering(size_t bytes, size_t bk) {
+  size_t blocks = 1;
+  for (size_t covered = 16 * bk; covered < bytes; covered += 16 * bk) blocks++;
+  return blocks;
+}
+
+/* The group of block kb and how many of its blocks remain from kb on (after each block,
+ * --left == 0 starts the next group): no division when a group is one block, as in most
+ * layouts (see cm_int4_blocks_covering for why it matters). */
+static inline void cm_int4_group_of_block(size_t kb, size_t group_blocks, size_t *group,
+                                          size_t *left) {
+  if (group_blocks == 1) {
+    *group = kb, *left = 1;
+    return;
+  }
+  *group = kb / group_blocks;
+  *left = group_blocks - kb % group_blocks;
+}
+
 #endif /* CPUMOE_COMMON_INT4_H */

@@ -346,13 +346,15 @@ CM_DECLARE_ALL_KERNELS(avx2)
 CM_DECLARE_ALL_KERNELS(avx512)
 CM_DECLARE_INT4_DECODE(avx512)
 
-/* avx2: one-pass decode kernels for blocks of few rows (schemes/unquant, schemes/int8) */
+/* avx2: one-pass decode kernels for blocks of few rows (schemes/unquant, int8, int4) */
 void cm_bf16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const void *, float *,
                                      int, cm_prefetch);
 void cm_f16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const void *, float *,
                                     int, cm_prefetch);
 void cm_u8s8_gemm_decode_1x32__avx2(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                     int32_t *, int, cm_prefetch);
+void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t, const uint8_t *,
+                                    size_t, const int32_t *, float *, int);
 
 /* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
 void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,

@@ -103,8 +103,8 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 }
 
 /* A tier that has its own version of every kernel kind (its tile rows still to be set). The
- * unquantized and INT8 sets have no decode kernel of their own, so a parent's decode split
- * for them is dropped with the parent's kernels. */
+ * unquantized, INT8 and INT4 sets have no decode kernel of their own, so a parent's decode
+ * split for them is dropped with the parent's kernels. */
 #define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                            \
   do {                                                                               \
     (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                 \
@@ -114,6 +114,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
     for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {                             \
       (c)->gemm[CM_UNQUANT][act].decode_max_rows = 0;                                \
       (c)->gemm[CM_INT8][act].decode_max_rows = 0;                                   \
+      (c)->gemm[CM_INT4][act].decode_max_rows = 0;                                   \
       (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
       (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
       (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
@@ -126,9 +127,10 @@ static void cm_config_init__scalar(cm_tier_config *c) {
        g < &(c)->gemm[0][0] + CM_SCHEME_COUNT * CM_ACT_DTYPE_COUNT; g++)
 
 /* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
- * 2 rows in 16 ymm, INT8 8 int32 accumulators for 1 row. */
+ * 2 rows in 16 ymm, INT8 8 int32 accumulators for 1 row, INT4 12 accumulators for 1 row. */
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 1
+#define CM_AVX2_INT4_DECODE_ROWS 1
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
@@ -142,6 +144,10 @@ static void cm_config_init__avx2(cm_tier_config *c) {
     g->decode_max_rows = CM_AVX2_INT8_DECODE_ROWS;
     g->decode_a_format = CM_PANEL_U8_QUADS;
     g->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_1x32__avx2;
+    g = &c->gemm[CM_INT4][act];
+    g->decode_max_rows = CM_AVX2_INT4_DECODE_ROWS;
+    g->decode_a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
+    g->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
   }
 }
 

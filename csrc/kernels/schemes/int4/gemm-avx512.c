@@ -48,27 +48,6 @@
  * the plain read bandwidth. */
 #define CM_INT4_META_GROUPS_AHEAD 4
 
-/* Whole blocks whose nibbles cover `bytes`. Counted, not divided: it runs on every tile,
- * and with 64-bit divisions here and per block (group = kb / group_blocks, ahead of the
- * zero-point loads) the decode GEMM was measurably slower. */
-static inline size_t blocks_covering(size_t bytes, size_t bk) {
-  size_t blocks = 1;
-  for (size_t covered = 16 * bk; covered < bytes; covered += 16 * bk) blocks++;
-  return blocks;
-}
-
-/* The group of block kb and how many of its blocks remain from kb on (after each block,
- * --left == 0 starts the next group): no division when a group is one block, as in most
- * layouts (see blocks_covering for why it matters). */
-static inline void group_of_block(size_t kb, size_t group_blocks, size_t *group, size_t *left) {
-  if (group_blocks == 1) {
-    *group = kb, *left = 1;
-    return;
-  }
-  *group = kb / group_blocks;
-  *left = group_blocks - kb % group_blocks;
-}
-
 /* natural 32 columns (c0: 0-15, c1: 16-31) <-> lane order (lo: 0-7|16-23, hi: 8-15|24-31);
  * the same 128-bit lane selection does both directions */
 #define CM_SELECT_LOW_HALVES 0x44  /* lanes 0,1 of a then 0,1 of b */
@@ -126,10 +105,10 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
     c_hi[r] = _mm512_shuffle_f32x4(c0, c1, CM_SELECT_HIGH_HALVES);
   }
   /* read-ahead in whole blocks: the same k-quad that many blocks on, never a comp line */
-  const size_t ahead_l1 = blocks_covering(CM_INT4_PREFETCH_L1_BYTES, bk);
-  const size_t ahead_l2 = blocks_covering(CM_INT4_PREFETCH_L2_BYTES, bk);
+  const size_t ahead_l1 = cm_int4_blocks_covering(CM_INT4_PREFETCH_L1_BYTES, bk);
+  const size_t ahead_l2 = cm_int4_blocks_covering(CM_INT4_PREFETCH_L2_BYTES, bk);
   size_t group, group_left;
-  group_of_block(kb0, w->group_blocks, &group, &group_left);
+  cm_int4_group_of_block(kb0, w->group_blocks, &group, &group_left);
   const __m512i flip_sign = _mm512_set1_epi8((char)0x80); /* q + 128 -> q */
   for (size_t b = 0; b < nb; b++) {
     const uint8_t *block = w->blocks + (kb0 + b) * block_bytes;
