@@ -93,6 +93,29 @@ void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t a
   CM_MR_SWITCH4(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }
 
+/* The decode kernel's widening of 8 columns' k pair at p. bf16 as the tile's. fp16 converts
+ * straight from memory, 4 columns' pairs per vcvtph2ps (a load and a conversion, no
+ * shuffle-port uop but the conversion's), then splits even and odd k with one vshufps each;
+ * the 8 columns then come in the order DECODE_F16_ORDER, which the accumulators keep and
+ * the load and store of C undo. */
+#define DECODE_F16_ORDER 0, 1, 4, 5, 2, 3, 6, 7 /* its own inverse */
+static inline __attribute__((always_inline)) void widen_decode(weight_kind kind, const uint16_t *p,
+                                                               __m256 *even, __m256 *odd) {
+  if (kind == W_BF16) {
+    widen_pair(kind, _mm256_loadu_si256((const __m256i *)p), even, odd);
+  } else {
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    *even = _mm256_shuffle_ps(lo, hi, 0x88);
+    *odd = _mm256_shuffle_ps(lo, hi, 0xdd);
+  }
+}
+
+/* C's 8 columns to and from the decode accumulators' order */
+static inline __attribute__((always_inline)) __m256 decode_order(weight_kind kind, __m256 v) {
+  return kind == W_BF16 ? v : _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(DECODE_F16_ORDER));
+}
+
 /* All 32 columns of mr <= MR_DECODE rows in one pass (see the header). */
 static inline __attribute__((always_inline)) void gemm_decode_body(const int mr, weight_kind kind,
                                                                    size_t k, const float *a,
@@ -103,7 +126,8 @@ static inline __attribute__((always_inline)) void gemm_decode_body(const int mr,
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
-      acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + 8 * j) : _mm256_setzero_ps();
+      acc[r][j] = accumulate ? decode_order(kind, _mm256_loadu_ps(c + r * CM_NR + 8 * j))
+                             : _mm256_setzero_ps();
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64;
     cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
@@ -116,7 +140,7 @@ static inline __attribute__((always_inline)) void gemm_decode_body(const int mr,
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
       __m256 even, odd;
-      widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16 * j)), &even, &odd);
+      widen_decode(kind, bk + 16 * j, &even, &odd);
 #pragma GCC unroll 2
       for (int r = 0; r < mr; r++) {
         acc[r][j] = _mm256_fmadd_ps(x_even[r], even, acc[r][j]);
@@ -127,7 +151,8 @@ static inline __attribute__((always_inline)) void gemm_decode_body(const int mr,
 #pragma GCC unroll 2
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + r * CM_NR + 8 * j, acc[r][j]);
+    for (int j = 0; j < 4; j++)
+      _mm256_storeu_ps(c + r * CM_NR + 8 * j, decode_order(kind, acc[r][j]));
 }
 
 #define CM_DECODE_SWITCH(kind)                                                              \
