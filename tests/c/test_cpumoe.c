@@ -574,6 +574,7 @@ static const moe_case g_cases[] = {
   {"fp16 decode 2 rows", UNQUANT, F16,   2,  96,  64, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
   {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
+  {"int8 decode 2 rows", INT8,  F16,     2,  64,  96, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,
    BIAS | SWIGLU | RESIDUAL},
   {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,

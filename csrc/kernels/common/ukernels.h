@@ -351,8 +351,8 @@ void cm_bf16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const
                                      int, cm_prefetch);
 void cm_f16_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const void *, float *,
                                     int, cm_prefetch);
-void cm_u8s8_gemm_decode_1x32__avx2(size_t, size_t, const uint8_t *, size_t, const int8_t *,
-                                    int32_t *, int, cm_prefetch);
+void cm_u8s8_gemm_decode_mrx32__avx2(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                     int32_t *, int, cm_prefetch);
 void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t, const uint8_t *,
                                     size_t, const int32_t *, float *, int);
 

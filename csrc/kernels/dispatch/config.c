@@ -127,9 +127,10 @@ static void cm_config_init__scalar(cm_tier_config *c) {
        g < &(c)->gemm[0][0] + CM_SCHEME_COUNT * CM_ACT_DTYPE_COUNT; g++)
 
 /* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
- * 2 rows in 16 ymm, INT8 8 int32 accumulators for 1 row, INT4 12 accumulators for 1 row. */
+ * 2 rows in 16 ymm, INT8 up to 2 rows (8 int32 accumulators for 1, 4 per row for 2), INT4 12
+ * accumulators for 1 row. */
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
-#define CM_AVX2_INT8_DECODE_ROWS 1
+#define CM_AVX2_INT8_DECODE_ROWS 2
 #define CM_AVX2_INT4_DECODE_ROWS 1
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
@@ -143,7 +144,7 @@ static void cm_config_init__avx2(cm_tier_config *c) {
     g = &c->gemm[CM_INT8][act];
     g->decode_max_rows = CM_AVX2_INT8_DECODE_ROWS;
     g->decode_a_format = CM_PANEL_U8_QUADS;
-    g->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_1x32__avx2;
+    g->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
     g = &c->gemm[CM_INT4][act];
     g->decode_max_rows = CM_AVX2_INT4_DECODE_ROWS;
     g->decode_a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;

@@ -16,11 +16,12 @@
  * gives two int32 partial sums per column, folded with vphaddd at the end.
  * 4 rows x 2 accumulators + 2 B + 1 A = 11 of 16 ymm.
  *
- * Decode kernel (blocks of one row, where the weights stream from memory once and are the
- * whole cost): the four passes would read each 64-byte line in two halves, one pass apart,
- * at a 128-byte stride. It does all 32 columns in one pass instead, 128 bytes per k quad in
- * memory order, both lines prefetched ahead (CM_DECODE_PF_*): 8 accumulators (two per
- * 8 columns, as above) + 1 A + 3 B = 12 ymm. The same exact int32 sums.
+ * Decode kernel (blocks of up to 2 rows, where the weights stream from memory once and are
+ * the whole cost): the four passes would read each 64-byte line in two halves, one pass
+ * apart, at a 128-byte stride. It does all 32 columns in one pass instead, 128 bytes per k
+ * quad in memory order, both lines prefetched ahead (CM_DECODE_PF_*). One row: 8
+ * accumulators (two per 8 columns, as above) + 1 A + 3 B = 12 ymm; two rows: each k quad's
+ * pair sums folded at once with vphaddd, 4 accumulators per row. The same exact int32 sums.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -91,11 +92,11 @@ void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, siz
   CM_MR_SWITCH4(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 
-void cm_u8s8_gemm_decode_1x32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
-                                    const int8_t *b, int32_t *acc, int accumulate,
-                                    cm_prefetch prefetch) {
-  (void)prefetch; /* reads ahead on its own */
-  CM_EXPECT(mr == 1 && kc % 4 == 0);
+/* One row: per 8 columns two accumulators of int32 pair sums (as the tile), folded once at
+ * the end. */
+static inline __attribute__((always_inline)) void decode_row(size_t kc, const uint8_t *a, size_t as,
+                                                             const int8_t *b, int32_t *acc,
+                                                             int accumulate) {
   __m256i lo[4], hi[4]; /* columns 8j..8j+3 and 8j+4..8j+7, two partial sums each */
 #pragma GCC unroll 4
   for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
@@ -119,6 +120,52 @@ void cm_u8s8_gemm_decode_1x32__avx2(size_t mr, size_t kc, const uint8_t *a, size
       sums = _mm256_add_epi32(sums, _mm256_loadu_si256((const __m256i *)(acc + 8 * j)));
     _mm256_storeu_si256((__m256i *)(acc + 8 * j), sums);
   }
+}
+
+/* Two rows: 16 pair-sum accumulators would not fit, so each k quad's pair sums are folded
+ * into one accumulator per 8 columns at once (vphaddd; columns in the tile's lane order
+ * 0,1,4,5 | 2,3,6,7 until the end). */
+static inline __attribute__((always_inline)) void decode_rows2(size_t kc, const uint8_t *a,
+                                                               size_t as, const int8_t *b,
+                                                               int32_t *acc, int accumulate) {
+  __m256i sums[2][4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; j++) sums[0][j] = sums[1][j] = _mm256_setzero_si256();
+  for (size_t kq = 0; kq < kc / 4; kq++) {
+    const int8_t *bk = b + kq * 128;
+    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
+    const __m256i x0 = widen_a(a + kq * as * 4), x1 = widen_a(a + kq * as * 4 + 4);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i *)(bk + 32 * j));
+      const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+      const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+      sums[0][j] = _mm256_add_epi32(
+          sums[0][j], _mm256_hadd_epi32(_mm256_madd_epi16(x0, b0), _mm256_madd_epi16(x0, b1)));
+      sums[1][j] = _mm256_add_epi32(
+          sums[1][j], _mm256_hadd_epi32(_mm256_madd_epi16(x1, b0), _mm256_madd_epi16(x1, b1)));
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < 2; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      int32_t *out = acc + r * CM_NR + 8 * j;
+      __m256i v = _mm256_permute4x64_epi64(sums[r][j], 0xd8);
+      if (accumulate) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)out));
+      _mm256_storeu_si256((__m256i *)out, v);
+    }
+}
+
+void cm_u8s8_gemm_decode_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
+                                     const int8_t *b, int32_t *acc, int accumulate,
+                                     cm_prefetch prefetch) {
+  (void)prefetch; /* reads ahead on its own */
+  CM_EXPECT((mr == 1 || mr == 2) && kc % 4 == 0 && as >= mr);
+  if (mr == 1)
+    decode_row(kc, a, as, b, acc, accumulate);
+  else
+    decode_rows2(kc, a, as, b, acc, accumulate);
 }
 
 void cm_u8s8_dequant_mrx32__avx2(size_t mr, const int32_t *restrict acc, const int8_t *comp,
