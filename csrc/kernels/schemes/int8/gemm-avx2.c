@@ -92,6 +92,12 @@ void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, siz
   CM_MR_SWITCH4(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 
+/* 16 s8 weights (4 columns x 4 k) sign-extended to int16, straight from memory: one load-op
+ * uop, where a 32-byte load would need a lane extract for its upper half. */
+static inline __attribute__((always_inline)) __m256i widen_b(const int8_t *p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
 /* One row: per 8 columns two accumulators of int32 pair sums (as the tile), folded once at
  * the end. */
 static inline __attribute__((always_inline)) void decode_row(size_t kc, const uint8_t *a, size_t as,
@@ -106,11 +112,8 @@ static inline __attribute__((always_inline)) void decode_row(size_t kc, const ui
     const __m256i x = widen_a(a + kq * as * 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i *)(bk + 32 * j));
-      lo[j] = _mm256_add_epi32(
-          lo[j], _mm256_madd_epi16(x, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw))));
-      hi[j] = _mm256_add_epi32(
-          hi[j], _mm256_madd_epi16(x, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1))));
+      lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(x, widen_b(bk + 32 * j)));
+      hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(x, widen_b(bk + 32 * j + 16)));
     }
   }
 #pragma GCC unroll 4
@@ -137,9 +140,7 @@ static inline __attribute__((always_inline)) void decode_rows2(size_t kc, const 
     const __m256i x0 = widen_a(a + kq * as * 4), x1 = widen_a(a + kq * as * 4 + 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i *)(bk + 32 * j));
-      const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-      const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+      const __m256i b0 = widen_b(bk + 32 * j), b1 = widen_b(bk + 32 * j + 16);
       sums[0][j] = _mm256_add_epi32(
           sums[0][j], _mm256_hadd_epi32(_mm256_madd_epi16(x0, b0), _mm256_madd_epi16(x0, b1)));
       sums[1][j] = _mm256_add_epi32(
