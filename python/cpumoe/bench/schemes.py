@@ -230,17 +230,32 @@ class ExpertWeights:
             raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got '{scheme}'")
         if SCHEMES[self.scheme].float_weights:
             self.dtype = DTYPES[self.scheme]
+        self.seed = seed
         g = torch.Generator().manual_seed(seed)
-        E, K, N = shape.E, shape.K, shape.N
-        self.w1 = torch.empty(E, 2 * N, K, dtype=self.dtype)
-        self.w2 = torch.empty(E, K, N, dtype=self.dtype)
-        _fill_random(self.w1, 1.0 / math.sqrt(K), g)
-        _fill_random(self.w2, 1.0 / math.sqrt(N), g)
+        self.w1, self.w2 = self._random_weights(g)
         made = SCHEMES[self.scheme].make_weights(self.w1, self.w2, g, pack)
         self.w1p, self.w2p = made.w1p, made.w2p
         self.kwargs = {"moe_comp_method": SCHEMES[self.scheme].method, **made.kwargs}
         self.torch_data = made.torch_data
         self._layers = [(self.w1p, self.w2p, self.kwargs)]  # see layers()
+        self.peer_data: dict = {}  # the peers' forms of these weights (bench/peers)
+
+    def _random_weights(self, g: torch.Generator):
+        E, K, N = self.shape.E, self.shape.K, self.shape.N
+        w1 = torch.empty(E, 2 * N, K, dtype=self.dtype)
+        w2 = torch.empty(E, K, N, dtype=self.dtype)
+        _fill_random(w1, 1.0 / math.sqrt(K), g)
+        _fill_random(w2, 1.0 / math.sqrt(N), g)
+        return w1, w2
+
+    def source_weights(self):
+        """The float weights ``(w1, w2)`` (activation dtype) the scheme's tensors were made
+        from: ``w1``/``w2`` themselves for bf16/fp16, drawn again from the seed for the
+        quantized schemes (whose ``w1``/``w2`` hold the dequantized weights). A peer that
+        quantizes in its own format starts from these, as cpumoe's quantizer did."""
+        if SCHEMES[self.scheme].float_weights:
+            return self.w1, self.w2
+        return self._random_weights(torch.Generator().manual_seed(self.seed))
 
     def layer_bytes(self) -> int:
         """Bytes of one copy of everything cpumoe reads (packed weights, scales, zeros)."""

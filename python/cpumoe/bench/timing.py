@@ -18,7 +18,7 @@ from .. import _C
 from ..ops import fused_experts
 from .baselines import BASELINES, PEERS, _rel_diff, _speedup_key
 from .machine import Limits, OthersLoad, default_weight_layers
-from .peers import PEER_AGREEMENT
+from .peers import PeerFormat
 from .schemes import SCHEMES, ExpertWeights
 from .shapes import DTYPES, Routing, Shape, _as_shape, _dtype_name, make_routings
 
@@ -164,7 +164,8 @@ def run_case(
     label = f"{shape.name} {scheme} M={M}"
     g, x, warm = _case_inputs(shape, M, weights.dtype, seed)
     call_cpumoe, n_layers = _layered_call(weights, x, weight_layers)
-    baselines = _baseline_calls(weights, x, baseline and torch_baseline, baseline, peers)
+    baselines, not_here = _baseline_calls(weights, x, baseline and torch_baseline, baseline,
+                                          peers)
     threads = torch.get_num_threads()
     scaling_threads = [c for c in scaling_threads if c != threads]
     share = 1.0 / (1 + len(baselines) + len(scaling_threads))
@@ -176,13 +177,14 @@ def run_case(
         routings = make_routings(n, M, shape.E, shape.topk, g)
         times, out_c, load_c = _time_calls(call_cpumoe, routings,
                                            _ticker(report, 0.0, share, n, f"{label}: cpumoe"))
-        found = _time_baselines(baselines, out_c, warm, routings, counts, report, share, label)
+        found, peer_fields = _time_baselines(baselines, out_c, warm, routings, counts, report,
+                                             share, label)
         scaled = _time_thread_counts(call_cpumoe, scaling_threads, out_c, warm, routings, counts,
                                      report, share * (1 + len(baselines)), share, label)
     sec = statistics.median(times)
     rec = _case_record(shape, scheme, dname, M, threads, times, routings, weights, n_layers,
                        limits)
-    rec.update(_baseline_fields(found, sec))
+    rec.update(_baseline_fields(found, sec, peer_fields, not_here))
     cap = capped if capped and capped.get("ms") else None
     rec.update(_capped_fields(cap, out_c, rec["ms"]))
     rec["others_cpu_fraction"] = load_c.fraction
@@ -215,42 +217,113 @@ def _case_weights(shape: Shape, dtype, scheme: Optional[str],
 
 
 def _baseline_calls(weights: ExpertWeights, x: torch.Tensor, torch_baseline: bool,
-                    eager: bool, peers: Sequence[str] = ()) -> list:
-    """``[(Baseline, call)]`` of the in-process baselines that run: the eager loop (with
-    ``eager``), with ``torch_baseline`` the scheme's torch path, where torch has it, and
-    the ``peers`` that run here."""
+                    eager: bool, peers: Sequence[str] = ()):
+    """The in-process baselines that run: the eager loop (with ``eager``), with
+    ``torch_baseline`` the scheme's torch path, where torch has it, and the ``peers`` that
+    run here and have a format for this row. Returns ``([(Baseline, call, PeerFormat or
+    None)], {peer: why it does not run on this row})``; a peer's call may be ``{label:
+    call}`` (timed in each setting, the fastest reported)."""
     keys = ["baseline"] if eager else []
     own = SCHEMES[weights.scheme].torch_baseline
     if torch_baseline and own:
         keys.append(own)
-    keys += list(peers)
-    return [(BASELINES[k], BASELINES[k].make_call(weights, x)) for k in keys
-            if BASELINES[k].unavailable(weights.dtype) is None]
+    calls, skipped = [], {}
+    for k in keys + list(peers):
+        b = BASELINES[k]
+        why = b.unavailable(weights.dtype)
+        if why is not None:
+            if k in PEERS:
+                skipped[k] = why
+            continue
+        fmt = b.format(weights) if b.format else None
+        if isinstance(fmt, str):
+            skipped[k] = fmt
+            continue
+        try:
+            calls.append((b, b.make_call(weights, x), fmt))
+        except Exception as e:  # a peer that cannot set this case up is reported, not fatal
+            if k not in PEERS:
+                raise
+            skipped[k] = f"setting up failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return calls, skipped
+
+
+def _close(fn) -> None:
+    for f in (fn.values() if isinstance(fn, dict) else [fn]):
+        getattr(f, "close", lambda: None)()
 
 
 def _time_baselines(baselines: list, out_cpumoe: torch.Tensor, warm: List[Routing],
                     routings: List[Routing], counts: tuple, report, share: float,
-                    label: str) -> Dict[str, tuple]:
+                    label: str):
     """Times each baseline on a prefix of cpumoe's routings (as many calls as its own
     warm-up allows, at most cpumoe's): ``{key: (seconds per call, relative difference of
-    cpumoe's first output from the baseline's, others' CPU share)}``. A peer is first run on
-    cpumoe's first routing; if its output differs by more than PEER_AGREEMENT it is not
-    timed: ``{key: (None, that difference, None)}``."""
+    cpumoe's first output from the baseline's, others' CPU share)}``, and the peers' own
+    fields (:func:`_time_peer`). Each call is closed once timed."""
     found: Dict[str, tuple] = {}
-    for k, (b, fn) in enumerate(baselines):
+    peer_fields: Dict[str, dict] = {}
+    for k, (b, fn, fmt) in enumerate(baselines):
         lo = share * (k + 1)
-        name = f"{b.column} baseline"
-        if b.key in PEERS:
-            diff = _rel_diff(out_cpumoe, fn(routings[0]))
-            if diff is None or not diff <= PEER_AGREEMENT:
-                found[b.key] = (None, diff, None)
+        try:
+            if b.key in PEERS:
+                found[b.key], peer_fields[b.key] = _time_peer(
+                    b, fn, fmt, out_cpumoe, warm, routings, counts, report, lo, share, label)
                 continue
+            name = f"{b.column} baseline"
+            report(lo, f"{label}: {name} warm-up")
+            nb = min(_iterations(_warm_up(fn, warm), *counts), len(routings))
+            bt, out_b, load_b = _time_calls(fn, routings[:nb],
+                                            _ticker(report, lo, share, nb, f"{label}: {name}"))
+            found[b.key] = (bt, _rel_diff(out_cpumoe, out_b), load_b.fraction)
+        finally:
+            _close(fn)
+    return found, peer_fields
+
+
+def _time_peer(b, fn, fmt: PeerFormat, out_cpumoe: torch.Tensor, warm: List[Routing],
+               routings: List[Routing], counts: tuple, report, lo: float, share: float,
+               label: str):
+    """A peer, in each of its settings (``fn`` a call or ``{label: call}``): first run on
+    cpumoe's first routing; a setting whose output differs from cpumoe's by more than the
+    format's tolerance (or fails) is not timed. Returns the fastest setting's ``(seconds
+    per call, difference, others' share)`` (``(None, difference, None)`` when none was
+    timed) and the record's ``{key}_*`` fields: format, bytes per weight, tolerance, the
+    setting reported and every setting's median ms, and the error, if any."""
+    settings = fn.items() if isinstance(fn, dict) else [("", fn)]
+    results, errors, diffs = {}, [], {}
+    for setting, call in settings:
+        name = f"{b.column}{f' ({setting})' if setting else ''}"
+        try:
+            diff = _rel_diff(out_cpumoe, call(routings[0]))
+        except Exception as e:
+            errors.append(f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+            _close(call)
+            continue
+        diffs[setting] = diff
+        if diff is None or not diff <= fmt.tolerance:
+            errors.append(f"{name}: output differs from cpumoe's by {diff:.3g} (relative), "
+                          f"more than {fmt.tolerance}: not timed")
+            _close(call)
+            continue
         report(lo, f"{label}: {name} warm-up")
-        nb = min(_iterations(_warm_up(fn, warm), *counts), len(routings))
-        bt, out_b, load_b = _time_calls(fn, routings[:nb],
+        nb = min(_iterations(_warm_up(call, warm), *counts), len(routings))
+        bt, out_b, load_b = _time_calls(call, routings[:nb],
                                         _ticker(report, lo, share, nb, f"{label}: {name}"))
-        found[b.key] = (bt, _rel_diff(out_cpumoe, out_b), load_b.fraction)
-    return found
+        _close(call)
+        results[setting] = (bt, _rel_diff(out_cpumoe, out_b), load_b.fraction)
+    best = min(results, key=lambda s: statistics.median(results[s][0]), default=None)
+    fields = {
+        f"{b.key}_format": fmt.name, f"{b.key}_detail": fmt.detail or None,
+        f"{b.key}_bytes_per_weight": fmt.bytes_per_weight, f"{b.key}_tolerance": fmt.tolerance,
+        f"{b.key}_setting": best or None,
+        f"{b.key}_settings_ms": {s: statistics.median(r[0]) * 1e3 for s, r in results.items()}
+        if isinstance(fn, dict) else None,
+    }
+    if not results:
+        fields[f"{b.key}_error"] = "; ".join(errors)
+        first = next(iter(diffs.values()), None)
+        return (None, first, None), fields
+    return results[best], fields
 
 
 def _time_thread_counts(call_cpumoe: Callable, counts_to_time: Sequence[int],
@@ -303,6 +376,7 @@ def _case_record(shape: Shape, scheme: str, dname: str, M: int, threads: int,
         "distinct_experts": distinct,
         "weight_layers": weight_layers,
         "weight_bytes": weight_bytes,
+        "bytes_per_weight": weights.expert_bytes() / (3 * shape.N * shape.K),
         "gbps": weight_bytes / sec / 1e9,
         "bw_fraction": weight_bytes / sec / 1e9 / limits.read_gbps if limits.read_gbps else None,
         "flops": flops,
@@ -315,9 +389,11 @@ def _case_record(shape: Shape, scheme: str, dname: str, M: int, threads: int,
     }
 
 
-def _baseline_fields(found: Dict[str, tuple], sec: float) -> dict:
+def _baseline_fields(found: Dict[str, tuple], sec: float, peer_fields: Dict[str, dict],
+                     skipped: Dict[str, str]) -> dict:
     """``{key}_ms``, ``{key}_iters``, the speedup and ``rel_diff_vs_{key}`` of every
-    baseline (None where it did not run); ``sec`` is cpumoe's median."""
+    baseline (None where it did not run), and every peer's own fields (None where it did not
+    run; ``{key}_skipped``: why it has no format for this row); ``sec`` is cpumoe's median."""
     fields: dict = {}
     for key in BASELINES:
         bt, diff, _ = found.get(key, (None, None, None))
@@ -328,10 +404,16 @@ def _baseline_fields(found: Dict[str, tuple], sec: float) -> dict:
             _speedup_key(key): med / sec if med else None,
             f"rel_diff_vs_{key}": diff,
         })
-        if key in PEERS and key in found and bt is None:
-            fields[f"{key}_error"] = (f"output differs from cpumoe's by {diff:.3g} (relative), "
-                                      f"more than {PEER_AGREEMENT}: not timed")
+        if key in PEERS:
+            fields.update({f"{key}_{f}": None for f in PEER_FIELDS})
+            fields.update(peer_fields.get(key, {}))
+            fields[f"{key}_skipped"] = skipped.get(key)
     return fields
+
+
+# A peer's fields in each case record besides those of every baseline (``{key}_<field>``).
+PEER_FIELDS = ("format", "detail", "bytes_per_weight", "tolerance", "setting", "settings_ms",
+               "error", "skipped")
 
 
 def _capped_fields(cap: Optional[dict], out_cpumoe: torch.Tensor, ms: float) -> dict:
