@@ -6,12 +6,14 @@ Fast: the limit probes are shortened (the figures are not judged, only their san
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -848,47 +850,105 @@ def test_parse_peers():
 
     assert parse_peers("sglang") == ["sglang"]
     assert parse_peers("all") == list(bench.baselines.PEERS)
-    with pytest.raises(Exception, match="unknown peer ggml"):
-        parse_peers("sglang,ggml")
+    assert parse_peers("ggml,vllm") == ["ggml", "ggml_q4k", "vllm"]  # a library: its rows
+    assert parse_peers("kt_gptq,kt") == ["kt_gptq", "kt"]
+    with pytest.raises(Exception, match="unknown peer nope"):
+        parse_peers("sglang,nope")
 
 
 def test_peer_unavailable_is_reported_not_run(tmp_path, fast_limits, monkeypatch, capsys):
     """A peer that cannot run here (not installed, or a CPU without its ISA) is named in the
     header with the reason, and no case has its timings."""
-    from cpumoe.bench import baselines, peers
+    from cpumoe.bench import baselines
+    from cpumoe.bench.peers import sglang
 
-    monkeypatch.setattr(peers, "sglang_library", lambda: (None, "pretend: not installed"))
+    monkeypatch.setattr(sglang, "sglang_library", lambda: (None, "pretend: not installed"))
     row = baselines.BASELINES["sglang"]
-    monkeypatch.setitem(baselines.BASELINES, "sglang", row.__class__(
-        row.key, row.column, row.text, peers.sglang_unavailable, row.make_call))
+    monkeypatch.setitem(baselines.BASELINES, "sglang", dataclasses.replace(
+        row, unavailable=sglang.sglang_unavailable))
     doc = _run(tmp_path, ["--peers", "sglang"])
     assert "sglang" not in doc["settings"]["baselines"]
     assert all(c["sglang_ms"] is None for c in doc["cases"])
-    assert "sglang baseline skipped: pretend: not installed" in capsys.readouterr().out
+    assert "sglang peer skipped: pretend: not installed" in capsys.readouterr().out
+
+
+def _fake_peer(factor, delay=0.0):
+    """A peer call maker whose output is the eager loop's times ``factor``, after sleeping
+    ``delay`` seconds."""
+    def make(w, x):
+        def call(r):
+            time.sleep(delay)
+            return bench.baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids) * factor
+        return call
+    return make
+
+
+def _fake_format(tolerance):
+    from cpumoe.bench.peers import PeerFormat
+
+    return lambda w: PeerFormat("fake", 1.5, tolerance, "a test double")
 
 
 def test_disagreeing_peer_is_not_timed(tmp_path, fast_limits, monkeypatch, capsys):
-    """A peer whose output differs from cpumoe's by more than PEER_AGREEMENT (e.g. called
-    with the wrong layout) gets an error in its record instead of a time; one that agrees
-    is timed on the same routings."""
-    from cpumoe.bench import baselines, peers
-
-    def fake_call(factor):
-        def make(w, x):
-            def call(r):
-                return bench.baseline_moe(x, w.w1, w.w2, r.topk_weights, r.topk_ids) * factor
-            return call
-        return make
+    """A peer whose output differs from cpumoe's by more than its format's tolerance (e.g.
+    called with the wrong layout) gets an error in its record instead of a time; one that
+    agrees is timed on the same routings, with its format and bytes per weight."""
+    from cpumoe.bench import baselines
 
     row = baselines.BASELINES["sglang"]
     for factor, agrees in ((1.0, True), (3.0, False)):
-        monkeypatch.setitem(baselines.BASELINES, "sglang", row.__class__(
-            row.key, row.column, row.text, lambda dt: None, fake_call(factor)))
+        monkeypatch.setitem(baselines.BASELINES, "sglang", dataclasses.replace(
+            row, unavailable=lambda dt: None, make_call=_fake_peer(factor),
+            format=_fake_format(0.05)))
         doc = _run(tmp_path, ["--peers", "sglang"])
         for c in doc["cases"]:
+            assert c["sglang_format"] == "fake" and c["sglang_bytes_per_weight"] == 1.5
+            assert c["sglang_tolerance"] == 0.05 and c["sglang_skipped"] is None
+            assert c["bytes_per_weight"] == pytest.approx(
+                {"bf16": 2.0, "int8": 1 + 8 * (2 * 128 + 256) / (3 * 128 * 256)}[c["scheme"]])
             if agrees:
-                assert c["sglang_ms"] > 0 and c["rel_diff_vs_sglang"] <= peers.PEER_AGREEMENT
-                assert "sglang_error" not in c
+                assert c["sglang_ms"] > 0 and c["rel_diff_vs_sglang"] <= 0.05
+                assert c["sglang_error"] is None
             else:
-                assert c["sglang_ms"] is None and c["rel_diff_vs_sglang"] > peers.PEER_AGREEMENT
+                assert c["sglang_ms"] is None and c["rel_diff_vs_sglang"] > 0.05
                 assert "not timed" in c["sglang_error"]
+        out = capsys.readouterr().out
+        if not agrees:
+            assert "sglang on custom-8x2-256x128 bf16 M=1: sglang: output differs" in out
+
+
+def test_peer_settings_report_the_fastest(tmp_path, fast_limits, monkeypatch):
+    """A peer timed in several settings (KTransformers: 1 worker thread and all) reports the
+    fastest setting's time and every setting's median; a setting that disagrees is left out,
+    and the peer is an error only when no setting agrees."""
+    from cpumoe.bench import baselines
+
+    def make(w, x):
+        return {"slow": _fake_peer(1.0, 0.02)(w, x), "fast": _fake_peer(1.0)(w, x),
+                "wrong": _fake_peer(3.0)(w, x)}
+
+    row = baselines.BASELINES["kt"]
+    monkeypatch.setitem(baselines.BASELINES, "kt", dataclasses.replace(
+        row, unavailable=lambda dt: None, make_call=make, format=_fake_format(0.05)))
+    doc = _run(tmp_path, ["--peers", "kt"])
+    for c in doc["cases"]:
+        assert c["kt_setting"] == "fast" and set(c["kt_settings_ms"]) == {"slow", "fast"}
+        assert c["kt_ms"] == c["kt_settings_ms"]["fast"] < c["kt_settings_ms"]["slow"]
+        assert c["kt_error"] is None
+
+
+def test_peer_without_a_format_for_the_row_is_skipped_with_the_reason(tmp_path, fast_limits,
+                                                                       monkeypatch, capsys):
+    from cpumoe.bench import baselines
+
+    row = baselines.BASELINES["vllm"]
+    monkeypatch.setitem(baselines.BASELINES, "vllm", dataclasses.replace(
+        row, unavailable=lambda dt: None, make_call=_fake_peer(1.0),
+        format=lambda w: _fake_format(0.05)(w) if w.scheme == "bf16" else "bf16 rows only"))
+    doc = _run(tmp_path, ["--peers", "vllm"])
+    for c in doc["cases"]:
+        if c["scheme"] == "bf16":
+            assert c["vllm_ms"] > 0 and c["vllm_skipped"] is None
+        else:
+            assert c["vllm_ms"] is None and c["vllm_skipped"] == "bf16 rows only"
+    assert "vllm not run on int8 rows: bf16 rows only" in capsys.readouterr().out

@@ -485,6 +485,9 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
             "baseline_isa": plan.capped_isa,
             "int8pack_unavailable": plan.unavailable.get("int8pack"),
             "int4pack_unavailable": plan.unavailable.get("int4pack"),
+            "peers": list(args.peers),
+            "peers_unavailable": {k: r for k, r in plan.unavailable.items()
+                                  if k in PEERS and r},
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",
             "weight_layers": args.weight_layers,
             "interleave": [f"{a}/{b}" for a, b in plan.pairs],
