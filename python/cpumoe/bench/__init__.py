@@ -40,6 +40,9 @@ int4 one over ``torch._weight_int4pack_mm_for_cpu`` (:func:`baseline_int4pack_mo
 torch has them; and, with ``--baseline-isa NAME``, the eager loop again in a subprocess
 started with ``ONEDNN_MAX_CPU_ISA=NAME`` (:func:`run_capped_baseline`), e.g.
 ``avx512_core_vnni`` to see what the eager code does on a CPU without AVX512-BF16 and AMX.
+With ``--peers``, other libraries' CPU MoE kernels that are installed (SGLang's, vLLM's,
+llama.cpp's ggml, KTransformers') are timed on the same routings and threads, each checked
+against cpumoe within its weight format's tolerance first (:mod:`cpumoe.bench.peers`).
 
 Routing is decode-realistic: every timed call gets a fresh, pre-generated routing
 (random distinct experts per token, softmax-normalised fp32 weights, int32 ids), and
