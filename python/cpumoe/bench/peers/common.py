@@ -29,12 +29,11 @@ PEER_AGREEMENT = 0.05
 #   per-channel int8 (~1 %) and the peer's Q8_0 weights and Q8_0 activations (ggml
 #   quantizes the activations of both GEMMs to Q8_0 for its dot products, ~1.5 % alone) are
 #   independent errors; measured 2-3 %, so 0.08.
-PEER_AGREEMENT_8BIT = 0.08
 # * 4-bit weights quantized by the peer (Q4_0, Q4_K, symmetric GPTQ int4) against cpumoe's
 #   AWQ int4: each is 12-20 % from the float layer by itself (4 bits on normal weights:
 #   step ~0.3 sigma), independently, so their difference is ~20-30 %; 0.5 still rejects a
 #   wrong call (~1.4).
-PEER_AGREEMENT_4BIT = 0.5
+AGREEMENT_BY_BITS = {16: PEER_AGREEMENT, 8: 0.08, 4: 0.5}
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 import torch
 
 from .common import (
-    PEER_AGREEMENT,
-    PEER_AGREEMENT_4BIT,
-    PEER_AGREEMENT_8BIT,
+    AGREEMENT_BY_BITS,
     PeerFormat,
     cached,
     copies,
@@ -121,17 +119,17 @@ def kt_format(key: str, w: ExpertWeights) -> Union[PeerFormat, str]:
         if name is None:
             return f"this kt-kernel build ({kt.cpumoe_variant}) has no GPTQ int4 class"
         gs = _group_size(w)
-        return PeerFormat("GPTQ int4 sym", per_weight + 4 / gs, PEER_AGREEMENT_4BIT,
+        return PeerFormat("GPTQ int4 sym", per_weight + 4 / gs, AGREEMENT_BY_BITS[4],
                           f"{name}, group {gs}")
     if w.scheme == "bf16":
         name = "AMXBF16_MOE" if hasattr(kt.moe, "AMXBF16_MOE") else "AVX2BF16_MOE"
-        return PeerFormat("bf16", 2.0, PEER_AGREEMENT, name)
+        return PeerFormat("bf16", 2.0, AGREEMENT_BY_BITS[16], name)
     if w.scheme in _LLAMAFILE_TYPES:
         if N % QK_K:
             return f"the llamafile MOE needs N a multiple of {QK_K}"
         t = _LLAMAFILE_TYPES[w.scheme]
         per_weight = 34 / 32 if t == "Q8_0" else 18 / 32
-        tol = PEER_AGREEMENT_8BIT if t == "Q8_0" else PEER_AGREEMENT_4BIT
+        tol = AGREEMENT_BY_BITS[8 if t == "Q8_0" else 4]
         return PeerFormat(t, per_weight, tol, "MOE (llamafile)")
     return f"no KTransformers kernel is mapped to {w.scheme} rows (bf16, int8, int4)"
 

@@ -28,14 +28,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .common import (
-    PEER_AGREEMENT,
-    PEER_AGREEMENT_4BIT,
-    PEER_AGREEMENT_8BIT,
-    PeerFormat,
-    cached,
-    copies,
-)
+from .common import AGREEMENT_BY_BITS, PeerFormat, cached, copies
 
 if TYPE_CHECKING:
     from ..schemes import ExpertWeights
@@ -49,8 +42,7 @@ GGML_TYPES: Dict[str, Dict[str, str]] = {
     "ggml": {"bf16": "BF16", "fp16": "F16", "int8": "Q8_0", "int4": "Q4_0"},
     "ggml_q4k": {"int4": "Q4_K"},
 }
-_TOLERANCE = {"BF16": PEER_AGREEMENT, "F16": PEER_AGREEMENT, "Q8_0": PEER_AGREEMENT_8BIT,
-              "Q4_0": PEER_AGREEMENT_4BIT, "Q4_K": PEER_AGREEMENT_4BIT}
+_BITS = {"BF16": 16, "F16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_K": 4}
 _REQUIRED = ("ggml_init", "ggml_mul_mat_id", "ggml_quantize_chunk", "ggml_threadpool_new",
              "ggml_graph_plan", "ggml_graph_compute", "ggml_view_2d")
 
@@ -89,7 +81,7 @@ def ggml_format(key: str, w: ExpertWeights) -> Union[PeerFormat, str]:
     block = G.ggml_blck_size(t)
     if w.shape.K % block or w.shape.N % block:
         return f"{name} needs K and N multiples of {block}"
-    return PeerFormat(name, G.ggml_type_size(t) / block, _TOLERANCE[name])
+    return PeerFormat(name, G.ggml_type_size(t) / block, AGREEMENT_BY_BITS[_BITS[name]])
 
 
 def _quantize(G, t: torch.Tensor, type_id: int) -> torch.Tensor:
