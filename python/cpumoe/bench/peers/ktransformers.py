@@ -236,6 +236,17 @@ def _configure(kt, key: str, w: ExpertWeights, src: Dict[str, object], pool, mas
     return moe
 
 
+def _own_copy(src: Dict[str, object], i: int) -> Dict[str, object]:
+    """The GPTQ sources of weight copy ``i``: cloned past the first, since its packed class
+    may read them in place rather than copy them at load (the bf16 and llamafile classes
+    copy). The clones live as long as the kernel objects (:class:`KtMoe` keeps them)."""
+    if i == 0 or "per_expert" not in src:
+        return src
+    parts = {name: [(q.clone(), s.clone()) for q, s in pairs]
+             for name, pairs in src["per_expert"].items()}
+    return {"per_expert": parts, "group": src["group"]}
+
+
 class KtMoe:
     """One case's kernel objects on a pool of ``threads`` workers, one per weight copy cpumoe
     cycles through; made at the first call (so that a case builds one pool at a time),
@@ -248,6 +259,7 @@ class KtMoe:
         self.mask = torch.zeros(w.shape.E, dtype=torch.bool)  # no expert is on a GPU
         self.pool = None
         self.layers: List[object] = []
+        self.sources: List[Dict[str, object]] = []
         self.calls = itertools.count()
 
     def _build(self) -> None:
@@ -259,8 +271,11 @@ class KtMoe:
             config.subpool_numa_map = [0]
             config.subpool_thread_count = [self.threads]
             self.pool = kt.CPUInfer(config)
-            self.layers = [_configure(kt, self.key, self.w, src, self.pool, self.mask, self.M)
-                           for _ in range(copies(self.w))]
+            for i in range(copies(self.w)):
+                own = _own_copy(src, i)
+                self.sources.append(own)  # lives as long as the objects that may read it
+                self.layers.append(_configure(kt, self.key, self.w, own, self.pool, self.mask,
+                                              self.M))
 
     def __call__(self, r) -> torch.Tensor:
         if self.pool is None:
@@ -280,6 +295,7 @@ class KtMoe:
             with quiet_stdout():
                 self.layers = []
                 self.pool = None
+            self.sources = []
 
 
 def kt_call(key: str):
