@@ -927,14 +927,16 @@ def test_peer_settings_report_the_fastest(tmp_path, fast_limits, monkeypatch):
         return {"slow": _fake_peer(1.0, 0.02)(w, x), "fast": _fake_peer(1.0)(w, x),
                 "wrong": _fake_peer(3.0)(w, x)}
 
-    row = baselines.BASELINES["kt"]
-    monkeypatch.setitem(baselines.BASELINES, "kt", dataclasses.replace(
+    # a row no other peer shares a --peers name with (kt would also run the real kt_gptq)
+    row = baselines.BASELINES["sglang"]
+    monkeypatch.setitem(baselines.BASELINES, "sglang", dataclasses.replace(
         row, unavailable=lambda dt: None, make_call=make, format=_fake_format(0.05)))
-    doc = _run(tmp_path, ["--peers", "kt"])
+    doc = _run(tmp_path, ["--peers", "sglang"])
     for c in doc["cases"]:
-        assert c["kt_setting"] == "fast" and set(c["kt_settings_ms"]) == {"slow", "fast"}
-        assert c["kt_ms"] == c["kt_settings_ms"]["fast"] < c["kt_settings_ms"]["slow"]
-        assert c["kt_error"] is None
+        assert c["sglang_setting"] == "fast"
+        assert set(c["sglang_settings_ms"]) == {"slow", "fast"}
+        assert c["sglang_ms"] == c["sglang_settings_ms"]["fast"] < c["sglang_settings_ms"]["slow"]
+        assert c["sglang_error"] is None
 
 
 def test_peer_without_a_format_for_the_row_is_skipped_with_the_reason(tmp_path, fast_limits,

@@ -170,3 +170,20 @@ def test_peer_agrees_with_the_reference(installed_peers, key, scheme, M):
     assert res["diff"] <= res["tolerance"], (
         f"{key} ({res['format']}) on {scheme} rows, M={M}: relative difference "
         f"{res['diff']:.3g} from the reference, tolerance {res['tolerance']}")
+
+
+def test_loading_ktransformers_keeps_denormals():
+    """kt-kernel's libraries are built with fast-math: loading one turns on flush-to-zero in
+    the loading thread. The loader turns it back off (checked in a child process, where
+    kt-kernel may be loaded)."""
+    child = ("import torch\n"
+             "from cpumoe.bench.peers import kt_module\n"
+             "kt, why = kt_module()\n"
+             "print('skip: ' + why if why else (torch.tensor([1e-40]) * 1.0).item())\n")
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("skip: "):
+        pytest.skip(last[6:])
+    assert float(last) != 0.0, "a denormal was flushed after loading kt-kernel"

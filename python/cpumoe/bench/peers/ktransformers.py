@@ -80,15 +80,26 @@ def kt_module() -> Tuple[Optional[object], Optional[str]]:
         found = glob.glob(os.path.join(root, f"_kt_kernel_ext_{variant}.*.so"))
         if not found:
             continue
+        flushing = _flushes_denormals()
         try:
             spec = importlib.util.spec_from_file_location("kt_kernel_ext", found[0])
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         except (ImportError, OSError) as e:
             return None, f"loading {found[0]} failed: {str(e).splitlines()[0]}"
+        finally:
+            # the library is built with fast-math: loading it turns on flush-to-zero and
+            # denormals-are-zero in this thread, which would change cpumoe's results
+            # (and torch's) for the rest of the process
+            if _flushes_denormals() != flushing:
+                torch.set_flush_denormal(flushing)
         module.cpumoe_variant = variant
         return module, None
     return None, f"kt-kernel has no build for this CPU in {root} (it needs at least AVX2)"
+
+
+def _flushes_denormals() -> bool:
+    return float((torch.tensor([1e-40], dtype=torch.float32) * 1.0).item()) == 0.0
 
 
 def kt_unavailable(dtype: torch.dtype) -> Optional[str]:
