@@ -96,9 +96,8 @@ void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t a
 /* The decode kernel's widening of 8 columns' k pair at p. bf16 as the tile's. fp16 converts
  * straight from memory, 4 columns' pairs per vcvtph2ps (a load and a conversion, no
  * shuffle-port uop but the conversion's), then splits even and odd k with one vshufps each;
- * the 8 columns then come in the order DECODE_F16_ORDER, which the accumulators keep and
- * the load and store of C undo. */
-#define DECODE_F16_ORDER 0, 1, 4, 5, 2, 3, 6, 7 /* its own inverse */
+ * the 8 columns then come in the order 0, 1, 4, 5, 2, 3, 6, 7 (its own inverse), which the
+ * accumulators keep and the load and store of C undo. */
 static inline __attribute__((always_inline)) void widen_decode(weight_kind kind, const uint16_t *p,
                                                                __m256 *even, __m256 *odd) {
   if (kind == W_BF16) {
@@ -113,7 +112,8 @@ static inline __attribute__((always_inline)) void widen_decode(weight_kind kind,
 
 /* C's 8 columns to and from the decode accumulators' order */
 static inline __attribute__((always_inline)) __m256 decode_order(weight_kind kind, __m256 v) {
-  return kind == W_BF16 ? v : _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(DECODE_F16_ORDER));
+  return kind == W_BF16 ? v
+                        : _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
 /* All 32 columns of mr <= MR_DECODE rows in one pass (see the header). */
