@@ -4,6 +4,7 @@
  * Everything the PyTorch binding calls, usable from plain C programs:
  *   - enums for dtypes, weight schemes, activations, ISA tiers and status codes;
  *   - the MoE problem description and its two entry points (workspace size, run);
+ *   - the routing (gating) problem before the experts, with its two entry points;
  *   - the weight packers (byte layouts in docs/FORMATS.md);
  *   - the parallel-for hook through which the caller supplies threads;
  *   - CPU feature / ISA tier queries and the tier cap (CPUMOE_ISA).
@@ -148,6 +149,67 @@ size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *problem);
 /* Runs the fused MoE. `workspace` needs no particular alignment or content. */
 cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *workspace,
                                    size_t workspace_bytes, const cpumoe_runner *runner);
+
+/* ---- routing (gating) -----------------------------------------------------------
+ * The router's top-k before the experts (SGLang's topk_softmax_cpu, topk_sigmoid_cpu,
+ * grouped_topk_cpu, biased_grouped_topk_cpu; vLLM's biased_topk_cpu; docs/MATH.md,
+ * "Routing"). Per token m, with x = logits[m] in fp32:
+ *   score[e]  softmax(x) (exp(x - max) * (1 / sum), the sum in expert order), sigmoid(x) or
+ *             sqrt(softplus(x));
+ *   rank[e]   x[e] without a bias (the order of the exact score), score[e] + bias[e] with one;
+ *             NaN ranks as -inf; equal ranks go to the lower expert index;
+ *   groups    with groups > 1, experts [g E/G, (g + 1) E/G) form group g, scored by the max
+ *             of its ranks or the sum of its two best (one for a group of one expert); the
+ *             topk_groups best groups (ties: lower group index) hold the candidates;
+ *   slots     the R best candidates by rank, best first, weight score[e]; R = topk, or
+ *             topk - 1 with fused shared experts, whose slot is last: id E + m % num_shared,
+ *             weight (sum of the R weights) / routed_scaling_factor;
+ *   scaling   every weight times c = f / S with renormalize, else f, where S is the sum of
+ *             the R routed weights in slot order and f = routed_scaling_factor with
+ *             scale_output, else 1.
+ * Rows m >= M_valid (padding) get ids -1 and weights 0. Results are identical for any
+ * runner and on every ISA tier. */
+typedef enum cpumoe_gating_score {
+  CPUMOE_SCORE_SOFTMAX = 0,
+  CPUMOE_SCORE_SIGMOID = 1,
+  CPUMOE_SCORE_SQRTSOFTPLUS = 2,
+} cpumoe_gating_score;
+
+typedef enum cpumoe_group_score {
+  CPUMOE_GROUP_MAX = 0,      /* the group's best rank (SGLang's grouped_topk) */
+  CPUMOE_GROUP_TOP2_SUM = 1, /* the sum of its two best ranks (biased_grouped_topk) */
+} cpumoe_group_score;
+
+typedef struct cpumoe_gating_problem {
+  int64_t M;       /* tokens (>= 0) */
+  int64_t M_valid; /* rows [M_valid, M) are padding; 0 <= M_valid <= M */
+  int64_t E;       /* routed experts, 1 .. 2^31 - 1 */
+  int64_t topk;    /* slots per token, >= 1, the fused shared slot included */
+  cpumoe_gating_score score;
+  const void *logits; /* [M, E] F32, BF16 or F16, dense */
+  cpumoe_dtype logits_dtype;
+  const void *bias; /* [E] F32, BF16 or F16, or NULL: the correction bias of the ranking */
+  cpumoe_dtype bias_dtype;
+  int64_t groups;      /* >= 1, divides E; 1 = no groups */
+  int64_t topk_groups; /* 1 .. groups */
+  cpumoe_group_score group_score;
+  int renormalize;
+  int64_t num_shared; /* fused shared experts (>= 0); > 0 needs topk >= 2 and a factor */
+  int has_routed_scaling_factor;
+  float routed_scaling_factor; /* finite, non-zero when given */
+  int scale_output;            /* multiply the weights by it (needs it given) */
+  float *topk_weights;         /* out [M, topk] */
+  int32_t *topk_ids;           /* out [M, topk] */
+} cpumoe_gating_problem;
+
+/* Bytes of workspace cpumoe_gating needs for this problem run with `runner` (its scratch is
+ * per worker); 0 when the problem is invalid (see cpumoe_last_error). */
+size_t cpumoe_gating_workspace_size(const cpumoe_gating_problem *problem,
+                                    const cpumoe_runner *runner);
+
+/* Runs the routing; `workspace` needs no particular alignment or content. */
+cpumoe_status cpumoe_gating(const cpumoe_gating_problem *problem, void *workspace,
+                            size_t workspace_bytes, const cpumoe_runner *runner);
 
 /* ---- packers ------------------------------------------------------------------
  * VNNI-2 for 16-bit weights: [rows, cols] -> blocks of 32 rows (the last may be

@@ -1,6 +1,7 @@
 /*
  * Scalar number formats shared by every tier: bf16 and fp16 <-> fp32, and the
- * fp32 exp/SiLU/sigmoid used by the activations.
+ * fp32 exp/SiLU/sigmoid used by the activations and the routing scores (with the
+ * log1p behind sqrtsoftplus).
  *
  * Everything here is `static inline` and written so that a loop over it,
  * compiled with any tier's flags (-ffp-contract=off, fmaf for every fused
@@ -129,6 +130,47 @@ static inline float cm_expf(float x) {
 
 static inline float cm_sigmoidf(float x) {
   return 1.0f / (1.0f + cm_expf(-x));
+}
+
+/*
+ * log(w) for w in [1, 2], all that cm_log1pf needs: w = 2^e * m with m in [sqrt(1/2),
+ * sqrt(2)), f = m - 1 (exact), log(m) = f - f^2/2 + f^3 P(f) with the Cephes logf
+ * polynomial, plus e * ln2 in two parts. A NaN input gives NaN. The operation sequence is
+ * the contract, as for cm_expf.
+ */
+static inline float cm_log_1_2f(float w) {
+  const float e = w > 1.41421356237f ? 1.0f : 0.0f;
+  const float f = (e != 0.0f ? w * 0.5f : w) - 1.0f;
+  const float z = f * f;
+  float p = 7.0376836292e-2f;
+  p = fmaf(p, f, -1.1514610310e-1f);
+  p = fmaf(p, f, 1.1676998740e-1f);
+  p = fmaf(p, f, -1.2420140846e-1f);
+  p = fmaf(p, f, 1.4249322787e-1f);
+  p = fmaf(p, f, -1.6668057665e-1f);
+  p = fmaf(p, f, 2.0000714765e-1f);
+  p = fmaf(p, f, -2.4999993993e-1f);
+  p = fmaf(p, f, 3.3333331174e-1f);
+  float y = (p * f) * z;
+  y = fmaf(e, -2.12194440e-4f, y);
+  y = fmaf(z, -0.5f, y);
+  return fmaf(e, 0.693359375f, f + y);
+}
+
+/* log(1 + u) for u in [0, 1]: w = 1 + u is rounded, but d = w - 1 is exact, and
+ * log(w) * (u / d) corrects for the rounding (Goldberg's formula; a few ulp). */
+static inline float cm_log1pf(float u) {
+  const float w = 1.0f + u;
+  const float d = w - 1.0f;
+  return d == 0.0f ? u : cm_log_1_2f(w) * (u / d);
+}
+
+/* sqrt(softplus(x)) = sqrt(log(1 + exp(x))), DeepSeek-V4's router score: softplus as
+ * max(x, 0) + log1p(exp(-|x|)), which loses nothing for large |x|; below -16 softplus(x)
+ * is exp(x) to within half an ulp, so the result is exp(x / 2). NaN gives NaN. */
+static inline float cm_sqrtsoftplusf(float x) {
+  if (x < -16.0f) return cm_expf(0.5f * x);
+  return sqrtf((x > 0.0f ? x : 0.0f) + cm_log1pf(cm_expf(-fabsf(x))));
 }
 static inline float cm_siluf(float x) {
   return x / (1.0f + cm_expf(-x));

@@ -158,6 +158,10 @@ typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, flo
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
 typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha, float limit,
                              float *out);
+/* Routing scores (gating/): out[i] = exp(x[i] - shift), sigmoid(x[i]) or
+ * sqrt(softplus(x[i])), with common/numeric.h's functions */
+typedef void (*cm_exp_shifted_fn)(size_t n, const float *x, float shift, float *out);
+typedef void (*cm_score_fn)(size_t n, const float *x, float *out);
 /* dst[i] = fp32 value of 16-bit src[i] (bf16 or fp16) */
 typedef void (*cm_widen_fn)(size_t n, const uint16_t *src, float *dst);
 /* dst[i] = 16-bit src[i], round to nearest even */
@@ -256,6 +260,8 @@ typedef struct cm_elementwise_kernels {
   cm_bias_scale_fn bias_scale_stream;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
+  cm_exp_shifted_fn exp_shifted;
+  cm_score_fn sigmoid, sqrtsoftplus;
 } cm_elementwise_kernels;
 
 /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop; of the
@@ -304,7 +310,10 @@ const cm_tier_config *cm_active_config(void);
   void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *); \
   float cm_absmax__##tier(size_t, const float *, float);                                   \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \
-  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);
+  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);            \
+  void cm_exp_shifted__##tier(size_t, const float *, float, float *);                      \
+  void cm_sigmoid__##tier(size_t, const float *, float *);                                 \
+  void cm_sqrtsoftplus__##tier(size_t, const float *, float *);
 #define CM_DECLARE_PROBES(tier)                             \
   double cm_probe_read_chunk__##tier(const void *, size_t); \
   double cm_probe_fma_loop__##tier(int64_t);                \

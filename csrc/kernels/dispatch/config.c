@@ -44,6 +44,9 @@
       .bias_scale_stream = cm_bias_scale_stream__##tier, \
       .absmax = cm_absmax__##tier,                       \
       .quantize_u8 = cm_quantize_u8__##tier,             \
+      .exp_shifted = cm_exp_shifted__##tier,             \
+      .sigmoid = cm_sigmoid__##tier,                     \
+      .sqrtsoftplus = cm_sqrtsoftplus__##tier,           \
   })
 #define CM_PROBE_KERNELS(tier)                             \
   ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, \

@@ -36,6 +36,19 @@ void CM_TIERED(cm_swiglu)(size_t n, const float *restrict gate, const float *res
   for (size_t i = 0; i < n; i++) out[i] = cm_swiglu_clampf(gate[i], up[i], alpha, limit);
 }
 
+void CM_TIERED(cm_exp_shifted)(size_t n, const float *restrict x, float shift,
+                               float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_expf(x[i] - shift);
+}
+
+void CM_TIERED(cm_sigmoid)(size_t n, const float *restrict x, float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_sigmoidf(x[i]);
+}
+
+void CM_TIERED(cm_sqrtsoftplus)(size_t n, const float *restrict x, float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_sqrtsoftplusf(x[i]);
+}
+
 void CM_TIERED(cm_widen_bf16)(size_t n, const uint16_t *restrict src, float *restrict dst) {
   for (size_t i = 0; i < n; i++) dst[i] = cm_bf16_to_f32(src[i]);
 }
