@@ -99,6 +99,7 @@ setup(
                 "csrc/bindings/fused_experts.cpp",
                 "csrc/bindings/shared_expert.cpp",
                 "csrc/bindings/packers.cpp",
+                "csrc/bindings/routing.cpp",
                 "csrc/bindings/runtime.cpp",
             ],
             include_dirs=[str(INCLUDE)],

@@ -10,6 +10,8 @@ tolerance (CROSS_CLASS_TOLERANCE in cpumoe_testing.py) and still meet the spec.
 
 * ``kernel_expf`` / ``kernel_silu_and_mul`` / ``kernel_swiglu_clamp`` and the
   ``kernel_activations`` context: the activations of csrc/kernels/common/numeric.h;
+* ``kernel_sigmoid`` / ``kernel_sqrtsoftplus`` and the ``kernel_gating`` context: the
+  routing scores of numeric.h, with which reference.route gives the routing ops' bits;
 * ``slot_order_reference``: the sum over the topk slots in slot order;
 * ``int8_exact_reference`` / ``int4_exact_reference``: reference.py's integer-GEMM experts
   (already in the kernels' order) with the two above;
@@ -75,6 +77,63 @@ def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Te
     u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
     s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
     return (g * s) * (u + _f32(1.0))
+
+
+# The routing scores of numeric.h: cm_sigmoidf, and cm_sqrtsoftplusf with its log1p (the
+# Cephes logf polynomial on [1, 2] and Goldberg's correction).
+_LOG_POLY = (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+             -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
+
+
+def kernel_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """cm_sigmoidf: 1 / (1 + exp(-x))."""
+    return _f32(1.0) / (_f32(1.0) + kernel_expf(-x.float()))
+
+
+def kernel_log_1_2f(w: torch.Tensor) -> torch.Tensor:
+    """cm_log_1_2f: log(w) for w in [1, 2]."""
+    e = torch.where(w > _f32(1.41421356237), _f32(1.0), _f32(0.0))
+    f = torch.where(e != 0, w * _f32(0.5), w) - _f32(1.0)
+    z = f * f
+    p = torch.full_like(f, 7.0376836292e-2)
+    for c in _LOG_POLY:
+        p = reference.fmaf(p, f, _f32(c))
+    y = (p * f) * z
+    y = reference.fmaf(e, _f32(-2.12194440e-4), y)
+    y = reference.fmaf(z, _f32(-0.5), y)
+    return reference.fmaf(e, _f32(0.693359375), f + y)
+
+
+def kernel_log1pf(u: torch.Tensor) -> torch.Tensor:
+    """cm_log1pf: log(1 + u) for u in [0, 1]."""
+    w = _f32(1.0) + u
+    d = w - _f32(1.0)
+    return torch.where(d == 0, u, kernel_log_1_2f(w) * (u / d))
+
+
+def kernel_sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """cm_sqrtsoftplusf: exp(x / 2) below -16, else sqrt(max(x, 0) + log1p(exp(-|x|)))."""
+    x = x.float()
+    tail = kernel_expf(_f32(0.5) * x)
+    sp = torch.where(x > 0, x, _f32(0.0)) + kernel_log1pf(kernel_expf(-x.abs()))
+    # sqrtf is correctly rounded; torch's fp32 sqrt is not always (one ulp off on ~0.6% of
+    # inputs), the double sqrt rounded to fp32 is
+    return torch.where(x < -16, tail, torch.sqrt(sp.double()).float())
+
+
+@contextlib.contextmanager
+def kernel_gating():
+    """Within the block, reference.py's routing uses the kernels' exp, sigmoid and
+    sqrtsoftplus: reference.route then gives the ops' bits."""
+    names = ("routing_exp", "routing_sigmoid", "routing_sqrtsoftplus")
+    saved = [getattr(reference, n) for n in names]
+    for n, fn in zip(names, (kernel_expf, kernel_sigmoid, kernel_sqrtsoftplus)):
+        setattr(reference, n, fn)
+    try:
+        yield
+    finally:
+        for n, fn in zip(names, saved):
+            setattr(reference, n, fn)
 
 
 @contextlib.contextmanager

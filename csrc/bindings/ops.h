@@ -1,11 +1,13 @@
 // The entry points of torch.ops.cpumoe.*, which registration.cpp registers under SGLang's
 // CPU MoE schemas (docs/SGLANG.md has them and where we differ). Each is defined in the
-// file named after it: fused_experts.cpp, shared_expert.cpp, packers.cpp.
+// file named after it: fused_experts.cpp, shared_expert.cpp, packers.cpp, and the routing
+// ops in routing.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace cpumoe::bindings {
@@ -41,5 +43,34 @@ at::Tensor convert_weight_packed(const at::Tensor &weight);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
     const at::Tensor &qweight, const at::Tensor &qzeros, const at::Tensor &scales,
     int64_t quant_method_4bit);
+
+// The routing ops: (topk_weights float32 [M, topk], topk_ids int32 [M, topk]).
+std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor &hidden_states,
+                                                    const at::Tensor &gating_output, int64_t topk,
+                                                    bool renormalize);
+
+std::tuple<at::Tensor, at::Tensor> topk_sigmoid_cpu(const at::Tensor &hidden_states,
+                                                    const at::Tensor &gating_output, int64_t topk,
+                                                    bool renormalize);
+
+std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &gating_output, int64_t topk,
+    bool renormalize, int64_t num_expert_group, int64_t topk_group,
+    int64_t num_fused_shared_experts, std::optional<double> routed_scaling_factor,
+    const std::optional<at::Tensor> &num_token_non_padded);
+
+std::tuple<at::Tensor, at::Tensor> biased_grouped_topk_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &gating_output,
+    const at::Tensor &correction_bias, int64_t topk, bool renormalize, int64_t num_expert_group,
+    int64_t topk_group, int64_t num_fused_shared_experts,
+    std::optional<double> routed_scaling_factor,
+    const std::optional<at::Tensor> &num_token_non_padded);
+
+// vLLM's schema (its CPU build's routing for DeepSeek-V4)
+std::tuple<at::Tensor, at::Tensor> biased_topk_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &gating_output,
+    const at::Tensor &correction_bias, int64_t topk, bool renormalize,
+    const std::string &scoring_func, int64_t num_fused_shared_experts,
+    std::optional<double> routed_scaling_factor, bool apply_routed_scaling_factor_on_output);
 
 }  // namespace cpumoe::bindings

@@ -25,6 +25,26 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def(
       "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
       "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
+  // routing before the experts: SGLang's four ops, vLLM's biased_topk_cpu
+  m.def(
+      "topk_softmax_cpu(Tensor hidden_states, Tensor gating_output, int topk, bool renormalize) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "topk_sigmoid_cpu(Tensor hidden_states, Tensor gating_output, int topk, bool renormalize) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "grouped_topk_cpu(Tensor hidden_states, Tensor gating_output, int topk, bool renormalize, "
+      "int num_expert_group, int topk_group, int num_fused_shared_experts, float? "
+      "routed_scaling_factor, Tensor? num_token_non_padded) -> (Tensor, Tensor)");
+  m.def(
+      "biased_grouped_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor "
+      "correction_bias, int topk, bool renormalize, int num_expert_group, int topk_group, int "
+      "num_fused_shared_experts, float? routed_scaling_factor, Tensor? num_token_non_padded) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, int "
+      "topk, bool renormalize, str scoring_func, int num_fused_shared_experts, float? "
+      "routed_scaling_factor, bool apply_routed_scaling_factor_on_output) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
@@ -34,6 +54,11 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
+  m.impl("topk_softmax_cpu", &ops::topk_softmax_cpu);
+  m.impl("topk_sigmoid_cpu", &ops::topk_sigmoid_cpu);
+  m.impl("grouped_topk_cpu", &ops::grouped_topk_cpu);
+  m.impl("biased_grouped_topk_cpu", &ops::biased_grouped_topk_cpu);
+  m.impl("biased_topk_cpu", &ops::biased_topk_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -84,6 +84,14 @@ void run_problem(const cpumoe_moe_problem &problem, const char *op) {
   check_status(cpumoe_fused_experts(&problem, workspace, bytes, &runner), op);
 }
 
+void run_gating_problem(const cpumoe_gating_problem &problem, const char *op) {
+  if (problem.M == 0) return;
+  const cpumoe_runner runner = aten_runner();
+  const size_t bytes = cpumoe_gating_workspace_size(&problem, &runner);
+  TORCH_CHECK(bytes > 0, op, ": ", cpumoe_last_error());
+  check_status(cpumoe_gating(&problem, workspace_for(bytes), bytes, &runner), op);
+}
+
 std::string active_isa() {
   return cpumoe_isa_name(cpumoe_active_isa());
 }

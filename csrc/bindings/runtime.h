@@ -27,6 +27,9 @@ at::Tensor new_packed_weight(at::IntArrayRef sizes, const at::TensorOptions &opt
 // Runs a checked fused-MoE problem on torch's threads with the calling thread's workspace.
 void run_problem(const cpumoe_moe_problem &problem, const char *op);
 
+// Runs a checked routing problem the same way.
+void run_gating_problem(const cpumoe_gating_problem &problem, const char *op);
+
 // ---- cpumoe._C (bound in registration.cpp) ----
 std::string active_isa();
 std::string best_isa();

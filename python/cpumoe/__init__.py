@@ -5,10 +5,14 @@ Importing the package registers the ops under ``torch.ops.cpumoe``:
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
   17-argument schema: biases, GPT-OSS ``alpha``/``limit``),
 * ``shared_expert_cpu``,
-* ``convert_weight_packed``,
+* ``convert_weight_packed``, ``convert_weight_packed_scale_zp``,
+* the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
+  ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas) and
+  ``biased_topk_cpu`` (vLLM's),
 
-and typed wrappers with the same names in lower case live here
-(:func:`fused_experts`, :func:`shared_expert`, :func:`convert_weight_packed`).
+and typed wrappers with the same names in lower case, without ``_cpu``, live here
+(:func:`fused_experts`, :func:`shared_expert`, :func:`convert_weight_packed`,
+:func:`topk_softmax`, :func:`biased_grouped_topk`, ...).
 The kernels pick the best ISA tier of the CPU once at import; ``CPUMOE_ISA``
 caps it, :func:`isa` says which tier runs.
 """
@@ -23,10 +27,15 @@ from . import (
 )
 from .ops import (
     MoeCompMethod,
+    biased_grouped_topk,
+    biased_topk,
     convert_weight_packed,
     convert_weight_packed_scale_zp,
     fused_experts,
+    grouped_topk,
     shared_expert,
+    topk_sigmoid,
+    topk_softmax,
 )
 
 __version__ = "0.1.0"
@@ -34,16 +43,21 @@ __version__ = "0.1.0"
 __all__ = [
     "MoeCompMethod",
     "best_isa",
+    "biased_grouped_topk",
+    "biased_topk",
     "built_isas",
     "convert_weight_packed",
     "convert_weight_packed_scale_zp",
     "cpu_features",
     "fused_experts",
+    "grouped_topk",
     "isa",
     "isa_reason",
     "numerics_class",
     "set_isa",
     "shared_expert",
+    "topk_sigmoid",
+    "topk_softmax",
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -154,3 +154,88 @@ def shared_expert(
                                              use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale,
                                              block, is_vnni)
     return hidden_states.copy_(out) if traced_inplace else out
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: the ops before the experts. Each returns ``(topk_weights, topk_ids)``: float32
+# and int32 ``[M, topk]``, best expert first (higher score first; equal ones by lower
+# expert index), ready for :func:`fused_experts`. ``hidden_states`` only gives M (any
+# dtype). ``gating_output`` (the router logits ``[M, E]``) may be float32, bfloat16 or
+# float16; any E, any topk up to E. Bit-identical for any thread count and on every ISA
+# tier. docs/MATH.md ("Routing") has the math.
+
+Routing = Tuple[torch.Tensor, torch.Tensor]
+
+
+def topk_softmax(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                 renormalize: bool = False) -> Routing:
+    """The ``topk`` experts of highest softmax score (Qwen3, Mixtral, OLMoE ...).
+
+    Weights are the softmax probabilities of the chosen experts, divided by their sum when
+    ``renormalize``. The ranking is by logit (the order of the exact softmax).
+    """
+    return torch.ops.cpumoe.topk_softmax_cpu(hidden_states, gating_output, int(topk),
+                                             bool(renormalize))
+
+
+def topk_sigmoid(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                 renormalize: bool = False) -> Routing:
+    """The ``topk`` experts of highest sigmoid score; weights ``sigmoid(logit)``, divided by
+    their sum when ``renormalize``. (SGLang's kernel takes only ``topk = 1``.)"""
+    return torch.ops.cpumoe.topk_sigmoid_cpu(hidden_states, gating_output, int(topk),
+                                             bool(renormalize))
+
+
+def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                 renormalize: bool, num_expert_group: int, topk_group: int, *,
+                 num_fused_shared_experts: int = 0,
+                 routed_scaling_factor: Optional[float] = None,
+                 num_token_non_padded: Optional[torch.Tensor] = None) -> Routing:
+    """DeepSeek-V2's routing: softmax scores; the E experts form ``num_expert_group``
+    groups of consecutive ids, each scored by its best expert; the ``topk`` best experts of
+    the ``topk_group`` best groups.
+
+    Args:
+        num_fused_shared_experts: > 0 makes the last slot a fused shared expert: id
+            ``E + m % num_fused_shared_experts`` for token row m, weight (sum of the routed
+            weights) / ``routed_scaling_factor`` (required then), so 1 after renormalizing.
+        routed_scaling_factor: multiplies every output weight (after renormalizing).
+        num_token_non_padded: one-element int tensor n: rows from n on are padding and get
+            ids -1 (skipped by :func:`fused_experts`) and weights 0.
+    """
+    return torch.ops.cpumoe.grouped_topk_cpu(hidden_states, gating_output, int(topk),
+                                             bool(renormalize), int(num_expert_group),
+                                             int(topk_group), int(num_fused_shared_experts),
+                                             routed_scaling_factor, num_token_non_padded)
+
+
+def biased_grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
+                        correction_bias: torch.Tensor, topk: int, renormalize: bool,
+                        num_expert_group: int, topk_group: int, *,
+                        num_fused_shared_experts: int = 0,
+                        routed_scaling_factor: Optional[float] = None,
+                        num_token_non_padded: Optional[torch.Tensor] = None) -> Routing:
+    """DeepSeek-V3/R1's routing: sigmoid scores; experts ranked by score +
+    ``correction_bias`` ([E], float32/bfloat16/float16); groups scored by the sum of their
+    two best ranks; the ``topk`` best experts of the ``topk_group`` best groups, weighted by
+    their unbiased scores. Other arguments as :func:`grouped_topk` (DeepSeek-V3:
+    ``num_expert_group=8, topk_group=4, topk=8, renormalize=True``, factor 2.5)."""
+    return torch.ops.cpumoe.biased_grouped_topk_cpu(
+        hidden_states, gating_output, correction_bias, int(topk), bool(renormalize),
+        int(num_expert_group), int(topk_group), int(num_fused_shared_experts),
+        routed_scaling_factor, num_token_non_padded)
+
+
+def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
+                correction_bias: torch.Tensor, topk: int, renormalize: bool, *,
+                scoring_func: str = "sigmoid", num_fused_shared_experts: int = 0,
+                routed_scaling_factor: Optional[float] = None,
+                apply_routed_scaling_factor_on_output: bool = False) -> Routing:
+    """vLLM's ``biased_topk_cpu`` (DeepSeek-V4): :func:`biased_grouped_topk` without groups,
+    with ``scoring_func`` ``"sigmoid"`` or ``"sqrtsoftplus"`` (sqrt(softplus(x))).
+    ``routed_scaling_factor`` scales the output weights only with
+    ``apply_routed_scaling_factor_on_output``; fused shared experts divide by it always."""
+    return torch.ops.cpumoe.biased_topk_cpu(
+        hidden_states, gating_output, correction_bias, int(topk), bool(renormalize),
+        str(scoring_func), int(num_fused_shared_experts), routed_scaling_factor,
+        bool(apply_routed_scaling_factor_on_output))

@@ -374,3 +374,185 @@ def pack_vnni4_int8(weight: torch.Tensor) -> torch.Tensor:
     comp = (128 * w.to(torch.int32).sum(-1)).to(torch.int32)  # [B, blocks, 32]
     comp_bytes = comp.contiguous().view(torch.int8).reshape(w.shape[0], oc // 32, 128)
     return torch.cat([body, comp_bytes], dim=-1).reshape(*lead, oc, ic + 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: the ops before the experts (topk_softmax_cpu, topk_sigmoid_cpu, grouped_topk_cpu,
+# biased_grouped_topk_cpu, biased_topk_cpu). Every step is written in the kernels' fp32
+# operation order; only the three score functions below are torch's. Swapped for the
+# kernels' own (tests/exact_reference.py, kernel_gating), this reference gives their bits.
+
+
+def routing_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of the softmax (the kernels: common/numeric.h cm_expf)."""
+    return torch.exp(x)
+
+
+def routing_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """The sigmoid score (the kernels: 1 / (1 + cm_expf(-x)))."""
+    return torch.sigmoid(x)
+
+
+def routing_sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(x)), DeepSeek-V4's score (the kernels: cm_sqrtsoftplusf)."""
+    return torch.sqrt(F.softplus(x))
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _sum_in_order(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in index order, fp32, from +0 (the kernels' order)."""
+    total = torch.zeros(t.shape[:-1], dtype=torch.float32)
+    for i in range(t.shape[-1]):
+        total = total + t[..., i]
+    return total
+
+
+def routing_scores(x: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Per expert scores of fp32 logits x [M, E]: softmax as exp(x - max) times
+    (1 / sum) with the sum in expert order, sigmoid, or sqrt(softplus)."""
+    if scoring_func == "softmax":
+        e = routing_exp(x - x.amax(-1, keepdim=True))  # amax: NaN if the row has one
+        inv = torch.ones(x.shape[0]) / _sum_in_order(e)
+        return e * inv[:, None]
+    if scoring_func == "sigmoid":
+        return routing_sigmoid(x)
+    if scoring_func == "sqrtsoftplus":
+        return routing_sqrtsoftplus(x)
+    raise ValueError(f"unknown scoring_func {scoring_func!r}")
+
+
+def best_first(rank: torch.Tensor) -> torch.Tensor:
+    """Indices of rank [M, n] best first: higher rank first, equal ranks (and NaN, which
+    ranks as -inf) by lower index."""
+    rank = torch.where(torch.isnan(rank), float("-inf"), rank)
+    return torch.sort(rank, dim=-1, descending=True, stable=True).indices
+
+
+def route(
+    gating_output: torch.Tensor,
+    topk: int,
+    *,
+    scoring_func: str = "softmax",
+    correction_bias: Optional[torch.Tensor] = None,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "max",
+    renormalize: bool = False,
+    num_fused_shared_experts: int = 0,
+    routed_scaling_factor: Optional[float] = None,
+    scale_output: bool = False,
+    num_token_non_padded: Optional[int] = None,
+):
+    """The routing every op runs, on logits ``gating_output [M, E]``; returns
+    ``(topk_weights float32 [M, topk], topk_ids int32 [M, topk])``. Per token:
+
+    1. scores ``s`` (:func:`routing_scores`) of the logits in fp32;
+    2. ranks: the logits without a bias (the order of the exact scores), ``s + bias`` with
+       one; NaN ranks as -inf, equal ranks go to the lower expert index;
+    3. with ``num_expert_group`` G > 1, group g holds experts [g E/G, (g + 1) E/G) and
+       scores its best rank (``group_score="max"``) or the sum of its two best
+       (``"top2_sum"``; its only one for a group of one expert); the ``topk_group`` best
+       groups (ties: lower index) hold the candidates;
+    4. the R best candidates, best first, with weight ``s[id]``; R = topk, or topk - 1 with
+       fused shared experts, whose slot is last: id ``E + m % num_fused_shared_experts``
+       (m the token's row), weight (sum of the R weights in slot order) /
+       ``routed_scaling_factor``;
+    5. every weight times ``f / S`` with ``renormalize`` (S that sum), else times f, where
+       f = ``routed_scaling_factor`` with ``scale_output``, else 1.
+
+    Rows from ``num_token_non_padded`` on get ids -1 and weights 0.
+    """
+    x = gating_output.float()
+    M, E = x.shape
+    s = routing_scores(x, scoring_func)
+    rank = x if correction_bias is None else s + correction_bias.float().reshape(1, E)
+    rank = torch.where(torch.isnan(rank), float("-inf"), rank)
+    order = best_first(rank)
+    if num_expert_group > 1 and topk_group < num_expert_group:
+        r = rank.reshape(M, num_expert_group, E // num_expert_group)
+        if group_score == "max" or r.shape[-1] == 1:
+            gscore = r.amax(-1)
+        else:
+            gscore = r.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros(M, num_expert_group, dtype=torch.int32)
+        keep.scatter_(1, best_first(gscore)[:, :topk_group], 1)
+        kept = keep.repeat_interleave(E // num_expert_group, dim=1)
+        # kept experts first, each part in rank order (stable sorts: lexicographic)
+        order = order.gather(1, best_first(kept.gather(1, order).float()))
+    routed = topk - (num_fused_shared_experts > 0)
+    ids = order[:, :routed]
+    w = s.gather(1, ids)
+    total = _sum_in_order(w)
+    if num_fused_shared_experts > 0:
+        shared = (torch.arange(M) % num_fused_shared_experts + E)[:, None]
+        ids = torch.cat([ids, shared], dim=1)
+        w = torch.cat([w, (total / _f32(routed_scaling_factor))[:, None]], dim=1)
+    f = _f32(routed_scaling_factor if scale_output else 1.0)
+    c = f / total if renormalize else f.expand(M)
+    w = w * c[:, None]
+    ids = ids.to(torch.int32)
+    if num_token_non_padded is not None:
+        pad = torch.arange(M) >= num_token_non_padded
+        w[pad], ids[pad] = 0.0, -1
+    return w, ids
+
+
+def topk_softmax(hidden_states, gating_output, topk, renormalize):
+    """Reference of ``topk_softmax_cpu``: softmax scores, ranked by logit."""
+    assert hidden_states.shape[0] == gating_output.shape[0]
+    return route(gating_output, topk, renormalize=renormalize)
+
+
+def topk_sigmoid(hidden_states, gating_output, topk, renormalize):
+    """Reference of ``topk_sigmoid_cpu``: sigmoid scores, ranked by logit."""
+    assert hidden_states.shape[0] == gating_output.shape[0]
+    return route(gating_output, topk, scoring_func="sigmoid", renormalize=renormalize)
+
+
+def _non_padded(n: Optional[torch.Tensor]) -> Optional[int]:
+    return None if n is None else int(n.item())
+
+
+def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group,
+                 num_fused_shared_experts=0, routed_scaling_factor=None,
+                 num_token_non_padded=None):
+    """Reference of ``grouped_topk_cpu`` (DeepSeek-V2): softmax scores; groups by their best
+    logit; ``routed_scaling_factor`` scales the output weights."""
+    assert hidden_states.shape[0] == gating_output.shape[0]
+    return route(gating_output, topk, num_expert_group=num_expert_group, topk_group=topk_group,
+                 renormalize=renormalize, num_fused_shared_experts=num_fused_shared_experts,
+                 routed_scaling_factor=routed_scaling_factor,
+                 scale_output=routed_scaling_factor is not None,
+                 num_token_non_padded=_non_padded(num_token_non_padded))
+
+
+def biased_grouped_topk(hidden_states, gating_output, correction_bias, topk, renormalize,
+                        num_expert_group, topk_group, num_fused_shared_experts=0,
+                        routed_scaling_factor=None, num_token_non_padded=None):
+    """Reference of ``biased_grouped_topk_cpu`` (DeepSeek-V3): sigmoid scores, ranked with
+    the correction bias, groups by the sum of their two best; weights from the unbiased
+    scores; ``routed_scaling_factor`` scales the output weights."""
+    assert hidden_states.shape[0] == gating_output.shape[0]
+    return route(gating_output, topk, scoring_func="sigmoid", correction_bias=correction_bias,
+                 num_expert_group=num_expert_group, topk_group=topk_group,
+                 group_score="top2_sum", renormalize=renormalize,
+                 num_fused_shared_experts=num_fused_shared_experts,
+                 routed_scaling_factor=routed_scaling_factor,
+                 scale_output=routed_scaling_factor is not None,
+                 num_token_non_padded=_non_padded(num_token_non_padded))
+
+
+def biased_topk(hidden_states, gating_output, correction_bias, topk, renormalize, scoring_func,
+                num_fused_shared_experts, routed_scaling_factor,
+                apply_routed_scaling_factor_on_output):
+    """Reference of ``biased_topk_cpu`` (vLLM; DeepSeek-V4): sigmoid or sqrtsoftplus scores
+    ranked with the correction bias, no groups; ``routed_scaling_factor`` scales the output
+    weights only with ``apply_routed_scaling_factor_on_output``."""
+    assert hidden_states.shape[0] == gating_output.shape[0]
+    return route(gating_output, topk, scoring_func=scoring_func, correction_bias=correction_bias,
+                 renormalize=renormalize, num_fused_shared_experts=num_fused_shared_experts,
+                 routed_scaling_factor=routed_scaling_factor,
+                 scale_output=apply_routed_scaling_factor_on_output)
