@@ -704,6 +704,41 @@ def _q(arg, what, unnamed=False, **over):
     return Rejected("int4", arg, what, lambda: call_pack_int4(**over), unnamed=unnamed)
 
 
+ROUTING_OPS = ("topk_softmax", "topk_sigmoid", "grouped_topk", "biased_grouped_topk",
+               "biased_topk")
+
+
+def call_routing(op="biased_grouped_topk", *, cpu_kernel=False, **over):
+    """torch.ops.cpumoe.<op>_cpu with valid arguments (E experts in 4 groups keeping 2,
+    topk = TOPK), `over` applied; cpu_kernel as in call_fused."""
+    a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16),
+                    gating_output=torch.randn(M, E).to(BF16), correction_bias=torch.zeros(E),
+                    topk=TOPK, renormalize=True, scoring_func="sigmoid", num_expert_group=4,
+                    topk_group=2, num_fused_shared_experts=0, routed_scaling_factor=None,
+                    num_token_non_padded=None, apply_routed_scaling_factor_on_output=False),
+               over)
+    head = (a["hidden_states"], a["gating_output"])
+    scaling = (a["num_fused_shared_experts"], a["routed_scaling_factor"])
+    args = {
+        "topk_softmax": (*head, a["topk"], a["renormalize"]),
+        "topk_sigmoid": (*head, a["topk"], a["renormalize"]),
+        "grouped_topk": (*head, a["topk"], a["renormalize"], a["num_expert_group"],
+                         a["topk_group"], *scaling, a["num_token_non_padded"]),
+        "biased_grouped_topk": (*head, a["correction_bias"], a["topk"], a["renormalize"],
+                                a["num_expert_group"], a["topk_group"], *scaling,
+                                a["num_token_non_padded"]),
+        "biased_topk": (*head, a["correction_bias"], a["topk"], a["renormalize"],
+                        a["scoring_func"], *scaling,
+                        a["apply_routed_scaling_factor_on_output"]),
+    }[op]
+    packet = getattr(torch.ops.cpumoe, op + "_cpu").default
+    return packet.redispatch(CPU_KEYS, *args) if cpu_kernel else packet(*args)
+
+
+def _r(arg, what, op="biased_grouped_topk", **over):
+    return Rejected("routing", arg, f"{what} ({op}_cpu)", lambda: call_routing(op, **over))
+
+
 def _big_k_int8():
     """K = 65568 > 65536 with int8 weights (the int32 sums would overflow)."""
     k = 65568
@@ -938,12 +973,60 @@ CATALOGUE = [
     _q("scales", "a group size int4 does not support (here 192)", ic=384, group=192),
     Rejected("int4", "weight", "not a CPU tensor, reaching the CPU kernel",
              lambda: call_pack_int4(cpu_kernel=True, qweight=_meta("qweight"))),
+    # -- routing (topk_softmax_cpu, ..., biased_topk_cpu) -----------------------------------
+    _r("hidden_states", "not 2-D", "topk_softmax", hidden_states=torch.zeros(M * K, dtype=BF16)),
+    _r("gating_output", "not 2-D", "topk_sigmoid",
+       gating_output=lambda a: a["gating_output"].flatten()),
+    _r("gating_output", "float64 (any dtype but float32/bfloat16/float16)", "topk_softmax",
+       gating_output=lambda a: a["gating_output"].double()),
+    _r("gating_output", "rows other than M", "topk_softmax", gating_output=torch.zeros(M + 1, E)),
+    _r("gating_output", "no columns (E = 0)", "topk_softmax", gating_output=torch.zeros(M, 0)),
+    _r("topk", "0", "topk_softmax", topk=0),
+    _r("topk", "more than E (here 9)", "topk_sigmoid", topk=E + 1),
+    _r("correction_bias", "numel other than E", correction_bias=torch.zeros(E + 1)),
+    _r("correction_bias", "integer dtype", "biased_topk",
+       correction_bias=torch.zeros(E, dtype=torch.int32)),
+    _r("num_expert_group", "0", "grouped_topk", num_expert_group=0),
+    _r("num_expert_group", "not dividing E (here 3)", num_expert_group=3),
+    _r("topk_group", "above num_expert_group (here 5)", "grouped_topk", topk_group=5),
+    _r("topk_group", "0", topk_group=0),
+    _r("topk", "more than the experts of the groups kept (here 5 > 2 groups of 2)",
+       "grouped_topk", topk=5),
+    _r("num_fused_shared_experts", "negative", num_fused_shared_experts=-1),
+    _r("num_fused_shared_experts", "given without routed_scaling_factor",
+       num_fused_shared_experts=1),
+    _r("topk", "1 with a fused shared expert (no routed slot left)", "grouped_topk", topk=1,
+       num_fused_shared_experts=1, routed_scaling_factor=2.5),
+    _r("topk", "more than E + 1 with a fused shared expert", "biased_topk", topk=E + 2,
+       num_fused_shared_experts=1, routed_scaling_factor=2.5),
+    _r("routed_scaling_factor", "0", routed_scaling_factor=0.0),
+    _r("routed_scaling_factor", "beyond float32 (here 1e39)", "grouped_topk",
+       routed_scaling_factor=1e39),
+    _r("num_token_non_padded", "float32", num_token_non_padded=torch.tensor([2.0])),
+    _r("num_token_non_padded", "more than one value", "grouped_topk",
+       num_token_non_padded=torch.tensor([2, 3], dtype=torch.int32)),
+    _r("scoring_func", "not sigmoid or sqrtsoftplus (here softmax)", "biased_topk",
+       scoring_func="softmax"),
+    _r("apply_routed_scaling_factor_on_output", "True without routed_scaling_factor",
+       "biased_topk", apply_routed_scaling_factor_on_output=True),
+    *[Rejected("devices", name, f"not a CPU tensor, reaching the CPU kernel ({op}_cpu)",
+               lambda op=op, name=name: call_routing(op, cpu_kernel=True,
+                                                     **{name: _meta(name)}))
+      for op, name in [("topk_softmax", "hidden_states"), ("topk_softmax", "gating_output"),
+                       ("biased_grouped_topk", "correction_bias")]],
+    Rejected("devices", "num_token_non_padded",
+             "not a CPU tensor, reaching the CPU kernel (grouped_topk_cpu)",
+             lambda: call_routing("grouped_topk", cpu_kernel=True,
+                                  num_token_non_padded=torch.tensor([2], device="meta"))),
+    Rejected("devices", "gating_output", "a meta tensor among CPU tensors (routing ops)",
+             lambda: call_routing("biased_topk", gating_output=_meta("gating_output"))),
 ]
 
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
     "fused-fp8": "fused_experts_cpu", "shared": "shared_expert_cpu",
     "pack": "convert_weight_packed", "devices": "", "int4": "",
+    "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
 }
 
 
@@ -972,13 +1055,21 @@ def test_catalogue_baselines_pass(method):
         assert call_pack_int4(cpu_kernel=True)[0].dtype == torch.uint8
 
 
+@pytest.mark.parametrize("op", ROUTING_OPS)
+def test_catalogue_routing_baselines_pass(op):
+    for cpu_kernel in (False, True):
+        w, ids = call_routing(op, cpu_kernel=cpu_kernel)
+        assert w.shape == ids.shape == (M, TOPK)
+
+
 @pytest.mark.parametrize("case", CATALOGUE, ids=str)
 def test_rejected(case):
     """Each case raises its exception type with a message that starts with the op's name
     and names the argument (a whole word: `w1` is not found in `w1_bias`)."""
     msg = observed_message(case)
     op = SECTIONS[case.section] or (r"(fused_experts_cpu|shared_expert_cpu|"
-                                    r"convert_weight_packed|convert_weight_packed_scale_zp)")
+                                    r"convert_weight_packed|convert_weight_packed_scale_zp|"
+                                    + SECTIONS["routing"][1:])
     if case.exc is NotImplementedError:  # torch's dispatcher: no kernel for the tensor type
         op = r"Could not run 'cpumoe::(fused_experts_cpu|convert_weight_packed)'"
     assert re.match(rf"{op}: " if case.exc is RuntimeError else op, msg), msg
