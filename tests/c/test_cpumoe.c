@@ -18,6 +18,12 @@
  *   errors         each rejected input returns its documented status with a message of
  *                  its own naming the argument; an id out of range writes nothing.
  *   sizes          sizes whose products overflow int64/size_t are rejected.
+ *   gating         the routing (cpumoe_gating) against a double-precision restatement
+ *                  (ids where no rank is within 1e-5 of the cut, weights to 1e-5): softmax,
+ *                  sigmoid, sqrt-softplus, bias, groups (max, top-2 sum, of one expert),
+ *                  fused shared experts, scaling, padding rows, fp32/bf16/fp16 logits and
+ *                  bias; every tier bit for bit against scalar, threads against serial;
+ *                  its rejected problems (in the errors section).
  *   ISA, probes    tier names, cap, reason and feature strings; probe checksums and counts.
  *
  * Tiers: the sections that name a tier (fused, probes) run once per tier under test; the
@@ -36,7 +42,7 @@
  *       so and passes.
  *
  * Exits 1 on any failure. Optional arguments: the name of one section to run (packers,
- * fused, errors, sizes, isa, probes); -v prints each case's error; --emulate-all (emulating
+ * fused, errors, sizes, isa, probes, gating); -v prints each case's error; --emulate-all (emulating
  * build only).
  */
 #include <math.h>
@@ -1223,6 +1229,369 @@ static void test_sizes(void) {
               CPUMOE_EINVAL, "32768");
 }
 
+/* ---- routing (gating) ------------------------------------------------------------------ */
+
+typedef struct gating_case {
+  const char *name;
+  int64_t M, E, topk, groups, topk_groups;
+  cpumoe_gating_score score;
+  cpumoe_group_score group_score;
+  cpumoe_dtype logits_dtype;
+  int biased;
+  cpumoe_dtype bias_dtype;
+  int renormalize;
+  int64_t num_shared;
+  float factor; /* 0: none */
+  int scale_output;
+  int64_t padding; /* rows at the end that are padding */
+} gating_case;
+
+#define SOFTMAX CPUMOE_SCORE_SOFTMAX
+#define SIGMOID CPUMOE_SCORE_SIGMOID
+#define SQRTSP CPUMOE_SCORE_SQRTSOFTPLUS
+#define GMAX CPUMOE_GROUP_MAX
+#define GTOP2 CPUMOE_GROUP_TOP2_SUM
+
+/* The models' routings (Qwen3, DeepSeek-V2/V3/V4, Kimi-K2) and shapes SGLang's kernels do not
+ * serve: odd E, topk = E, groups of one expert, E = 1. */
+static const gating_case g_gating_cases[] = {
+    {"qwen3 softmax", 33, 128, 8, 1, 1, SOFTMAX, GMAX, BF16, 0, F32, 1, 0, 0, 0, 0},
+    {"dsv2 grouped", 20, 160, 6, 8, 3, SOFTMAX, GMAX, F16, 0, F32, 0, 0, 16.0f, 1, 3},
+    {"dsv3 biased", 40, 256, 8, 8, 4, SIGMOID, GTOP2, BF16, 1, F32, 1, 0, 2.5f, 1, 0},
+    {"dsv3 shared", 17, 256, 9, 8, 4, SIGMOID, GTOP2, F32, 1, BF16, 1, 3, 2.5f, 1, 6},
+    {"dsv4 sqrtsoftplus", 9, 384, 7, 1, 1, SQRTSP, GMAX, F32, 1, F16, 1, 1, 1.5f, 0, 0},
+    {"kimi sigmoid", 5, 384, 8, 1, 1, SIGMOID, GMAX, BF16, 1, F32, 0, 0, 0, 0, 0},
+    {"odd E, topk = E", 6, 7, 7, 7, 7, SIGMOID, GTOP2, F32, 1, F32, 1, 0, 0, 0, 0},
+    {"groups of one", 12, 24, 5, 24, 6, SIGMOID, GTOP2, BF16, 1, F32, 0, 0, 0, 0, 0},
+    {"E = 1", 3, 1, 1, 1, 1, SOFTMAX, GMAX, F16, 0, F32, 1, 0, 0, 0, 0},
+    {"many tokens", 300, 64, 6, 8, 2, SOFTMAX, GMAX, F32, 0, F32, 1, 0, 0, 0, 0},
+};
+
+typedef struct gating_data {
+  const gating_case *c;
+  cpumoe_gating_problem p;
+  void *logits, *bias;
+  double *x, *b;  /* the values, as the op reads them */
+  float *weights; /* out */
+  int32_t *ids;   /* out */
+} gating_data;
+
+/* Logits 0.02 apart (a permutation per token), so that no two round to the same 16-bit value
+ * and ranks are well apart; a bias of whole numbers (which reorders the experts) plus a small
+ * part. */
+static void make_gating_data(const gating_case *c, gating_data *d) {
+  const int64_t M = c->M, E = c->E;
+  const size_t elem = c->logits_dtype == F32 ? 4 : 2;
+  d->c = c;
+  d->logits = xmalloc((size_t)(M * E) * elem);
+  d->x = xmalloc((size_t)(M * E) * sizeof(double));
+  int64_t *perm = xmalloc((size_t)E * sizeof(int64_t));
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t e = 0; e < E; e++) perm[e] = e;
+    for (int64_t e = E - 1; e > 0; e--) {
+      const int64_t j = rnd_below(e + 1), t = perm[e];
+      perm[e] = perm[j], perm[j] = t;
+    }
+    for (int64_t e = 0; e < E; e++) {
+      const double v = 0.02 * (double)(perm[e] - E / 2) + rnd_uniform(0, 0.002);
+      const int64_t i = m * E + e;
+      if (c->logits_dtype == F32) {
+        ((float *)d->logits)[i] = (float)v;
+        d->x[i] = (float)v;
+      } else {
+        ((uint16_t *)d->logits)[i] = act_bits(c->logits_dtype, v);
+        d->x[i] = act_value(c->logits_dtype, ((uint16_t *)d->logits)[i]);
+      }
+    }
+  }
+  free(perm);
+  d->bias = d->b = NULL;
+  if (c->biased) {
+    d->bias = xmalloc((size_t)E * 4);
+    d->b = xmalloc((size_t)E * sizeof(double));
+    for (int64_t e = 0; e < E; e++) {
+      const double v = (double)rnd_below(3) + rnd_uniform(-0.01, 0.01);
+      if (c->bias_dtype == F32) {
+        ((float *)d->bias)[e] = (float)v;
+        d->b[e] = (float)v;
+      } else {
+        ((uint16_t *)d->bias)[e] = act_bits(c->bias_dtype, v);
+        d->b[e] = act_value(c->bias_dtype, ((uint16_t *)d->bias)[e]);
+      }
+    }
+  }
+  d->weights = xmalloc((size_t)(M * c->topk) * sizeof(float));
+  d->ids = xmalloc((size_t)(M * c->topk) * sizeof(int32_t));
+  d->p = (cpumoe_gating_problem){
+      .M = M,
+      .M_valid = M - c->padding,
+      .E = E,
+      .topk = c->topk,
+      .score = c->score,
+      .logits = d->logits,
+      .logits_dtype = c->logits_dtype,
+      .bias = d->bias,
+      .bias_dtype = c->bias_dtype,
+      .groups = c->groups,
+      .topk_groups = c->topk_groups,
+      .group_score = c->group_score,
+      .renormalize = c->renormalize,
+      .num_shared = c->num_shared,
+      .has_routed_scaling_factor = c->factor != 0,
+      .routed_scaling_factor = c->factor,
+      .scale_output = c->scale_output,
+      .topk_weights = d->weights,
+      .topk_ids = d->ids,
+  };
+}
+
+static void free_gating_data(gating_data *d) {
+  free(d->logits), free(d->x), free(d->bias), free(d->b), free(d->weights), free(d->ids);
+}
+
+static double score_of(cpumoe_gating_score score, double x) {
+  if (score == SIGMOID) return 1.0 / (1.0 + exp(-x));
+  if (score == SQRTSP) return sqrt(fmax(x, 0.0) + log1p(exp(-fabs(x))));
+  return exp(x); /* softmax: normalized by the caller */
+}
+
+/* The routing restated in double: the expert ids best first (ids[R]) and each expert's
+ * score (s[E]); returns the smallest gap between a kept and a dropped rank (group and
+ * expert), below which the op's fp32 ranks may order differently. */
+static double gating_restated(const gating_data *d, int64_t m, int32_t *ids, double *s) {
+  const gating_case *c = d->c;
+  const int64_t E = c->E, gs = E / c->groups, R = c->topk - (c->num_shared > 0);
+  const double *x = d->x + m * E;
+  double sum = 0.0;
+  for (int64_t e = 0; e < E; e++) sum += s[e] = score_of(c->score, x[e]);
+  if (c->score == SOFTMAX)
+    for (int64_t e = 0; e < E; e++) s[e] /= sum;
+  double *rank = xmalloc((size_t)E * sizeof(double));
+  for (int64_t e = 0; e < E; e++) rank[e] = c->biased ? s[e] + d->b[e] : x[e];
+  /* groups kept: selection by repeated max (ties: lower index) */
+  int *kept = xmalloc((size_t)c->groups * sizeof(int));
+  double *gscore = xmalloc((size_t)c->groups * sizeof(double));
+  for (int64_t g = 0; g < c->groups; g++) {
+    double best = -INFINITY, second = -INFINITY;
+    for (int64_t e = g * gs; e < (g + 1) * gs; e++)
+      if (rank[e] > best)
+        second = best, best = rank[e];
+      else if (rank[e] > second)
+        second = rank[e];
+    gscore[g] = c->group_score == GMAX || gs == 1 ? best : best + second;
+    kept[g] = c->topk_groups == c->groups;
+  }
+  double gap = INFINITY, last = INFINITY;
+  for (int64_t k = 0; k < c->topk_groups && c->topk_groups < c->groups; k++) {
+    int64_t pick = -1;
+    for (int64_t g = 0; g < c->groups; g++)
+      if (!kept[g] && (pick < 0 || gscore[g] > gscore[pick])) pick = g;
+    kept[pick] = 1, last = gscore[pick];
+  }
+  for (int64_t g = 0; g < c->groups; g++)
+    if (!kept[g]) gap = fmin(gap, last - gscore[g]);
+  /* experts of the kept groups */
+  int *taken = xmalloc((size_t)E * sizeof(int));
+  for (int64_t e = 0; e < E; e++) taken[e] = !kept[e / gs]; /* not a candidate */
+  for (int64_t j = 0; j < R; j++) {
+    int64_t pick = -1;
+    for (int64_t e = 0; e < E; e++)
+      if (!taken[e] && (pick < 0 || rank[e] > rank[pick])) pick = e;
+    taken[pick] = 1, ids[j] = (int32_t)pick, last = rank[pick];
+  }
+  for (int64_t e = 0; e < E; e++)
+    if (!taken[e]) gap = fmin(gap, last - rank[e]);
+  free(rank), free(kept), free(gscore), free(taken);
+  return gap;
+}
+
+/* Runs the problem with a workspace of exactly the size asked for, `offset` bytes into a
+ * malloc'd block filled with garbage; outputs start as garbage too. */
+static cpumoe_status run_gating(gating_data *d, const cpumoe_runner *runner, size_t offset) {
+  const size_t bytes = cpumoe_gating_workspace_size(&d->p, runner);
+  CHECK(bytes > 0, "%s: workspace size 0 for a valid problem (%s)", d->c->name,
+        cpumoe_last_error());
+  char *block = xmalloc(bytes + offset);
+  memset(block, 0xff, bytes + offset);
+  memset(d->weights, 0xff, (size_t)(d->c->M * d->c->topk) * sizeof(float));
+  memset(d->ids, 0x7f, (size_t)(d->c->M * d->c->topk) * sizeof(int32_t));
+  const cpumoe_status st = cpumoe_gating(&d->p, block + offset, bytes, runner);
+  free(block);
+  return st;
+}
+
+/* The op's result against the restatement: ids (where no rank lies within 1e-5 of the
+ * boundary), weights within 1e-5 relative of the double ones of the ids chosen, the shared
+ * slot, the padding rows. Returns the number of rows whose ids were not compared. */
+static int64_t check_gating_result(const gating_data *d, const char *tier) {
+  const gating_case *c = d->c;
+  const int64_t E = c->E, topk = c->topk, R = topk - (c->num_shared > 0);
+  int32_t *ids = xmalloc((size_t)topk * sizeof(int32_t));
+  double *s = xmalloc((size_t)E * sizeof(double));
+  int64_t skipped = 0;
+  for (int64_t m = 0; m < c->M; m++) {
+    const float *w = d->weights + m * topk;
+    const int32_t *id = d->ids + m * topk;
+    if (m >= c->M - c->padding) {
+      for (int64_t j = 0; j < topk; j++)
+        CHECK(id[j] == -1 && w[j] == 0.0f, "%s [%s]: padding row %lld slot %lld: %d %g", c->name,
+              tier, (long long)m, (long long)j, id[j], (double)w[j]);
+      continue;
+    }
+    const double gap = gating_restated(d, m, ids, s);
+    if (gap > 1e-5) {
+      for (int64_t j = 0; j < R; j++)
+        CHECK(id[j] == ids[j], "%s [%s]: row %lld slot %lld: id %d, expected %d", c->name, tier,
+              (long long)m, (long long)j, id[j], ids[j]);
+    } else {
+      skipped++;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < R; j++) {
+      CHECK(id[j] >= 0 && id[j] < E, "%s [%s]: row %lld: id %d out of range", c->name, tier,
+            (long long)m, id[j]);
+      if (id[j] >= 0 && id[j] < E) sum += s[id[j]];
+    }
+    const double f = c->scale_output ? c->factor : 1.0;
+    const double scale = c->renormalize ? f / sum : f;
+    for (int64_t j = 0; j < topk; j++) {
+      const int shared = j == R;
+      const double want =
+          shared ? sum / c->factor * scale : s[id[j] >= 0 && id[j] < E ? id[j] : 0] * scale;
+      CHECK(fabs(w[j] - want) <= 1e-5 * fabs(want),
+            "%s [%s]: row %lld slot %lld: weight %.9g, "
+            "expected %.9g",
+            c->name, tier, (long long)m, (long long)j, (double)w[j], want);
+      if (shared)
+        CHECK(id[j] == E + m % c->num_shared, "%s [%s]: row %lld: shared id %d", c->name, tier,
+              (long long)m, id[j]);
+    }
+  }
+  free(ids), free(s);
+  return skipped;
+}
+
+static void test_gating_case(const gating_case *c) {
+  gating_data d;
+  make_gating_data(c, &d);
+  const size_t w_bytes = (size_t)(c->M * c->topk) * sizeof(float);
+  const size_t id_bytes = (size_t)(c->M * c->topk) * sizeof(int32_t);
+  float *first_w = NULL; /* the scalar tier's: every tier must give these bits */
+  int32_t *first_ids = NULL;
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    use_tier((cpumoe_isa)isa);
+    const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    if (!first_w) { /* the scalar tier's bits, counting for no tier */
+      cpumoe_set_isa_cap(CPUMOE_ISA_SCALAR);
+      const cpumoe_status st = run_gating(&d, NULL, 0);
+      cpumoe_set_isa_cap((cpumoe_isa)isa);
+      CHECK(st == CPUMOE_OK, "%s [scalar]: status %d (%s)", c->name, (int)st, cpumoe_last_error());
+      first_w = xmalloc(w_bytes), first_ids = xmalloc(id_bytes);
+      memcpy(first_w, d.weights, w_bytes), memcpy(first_ids, d.ids, id_bytes);
+    }
+    cpumoe_status st = run_gating(&d, NULL, 0);
+    CHECK(st == CPUMOE_OK, "%s [%s]: status %d (%s)", c->name, tier, (int)st, cpumoe_last_error());
+    const int64_t skipped = check_gating_result(&d, tier);
+    CHECK(skipped * 10 <= c->M, "%s [%s]: %lld of %lld rows had near ties", c->name, tier,
+          (long long)skipped, (long long)c->M);
+    if (g_verbose)
+      printf("  %-18s %-7s ids compared on %lld of %lld rows\n", c->name, tier,
+             (long long)(c->M - skipped), (long long)c->M);
+    CHECK(memcmp(first_w, d.weights, w_bytes) == 0 && memcmp(first_ids, d.ids, id_bytes) == 0,
+          "%s: tier %s differs from scalar", c->name, tier);
+    /* several threads, unaligned workspace: the same bits */
+    g_runner_stats = (runner_stats){0, 0};
+    st = run_gating(&d, &g_threads, 3);
+    CHECK(st == CPUMOE_OK && memcmp(first_w, d.weights, w_bytes) == 0 &&
+              memcmp(first_ids, d.ids, id_bytes) == 0,
+          "%s [%s]: threaded run differs (status %d)", c->name, tier, (int)st);
+    CHECK(c->M <= 32 || g_runner_stats.calls > 0, "%s: the runner was never used", c->name);
+  }
+  use_tier(g_home);
+  free(first_w), free(first_ids);
+  free_gating_data(&d);
+}
+
+static void test_gating(void) {
+  for (size_t i = 0; i < sizeof g_gating_cases / sizeof g_gating_cases[0]; i++)
+    test_gating_case(&g_gating_cases[i]);
+
+  /* M = 0: nothing read or written, NULL tensors allowed */
+  const cpumoe_gating_problem empty = {.E = 8, .topk = 2, .groups = 1, .topk_groups = 1};
+  const size_t bytes = cpumoe_gating_workspace_size(&empty, &g_threads);
+  void *ws = xmalloc(bytes);
+  CHECK(bytes > 0 && cpumoe_gating(&empty, ws, bytes, &g_threads) == CPUMOE_OK,
+        "M=0 routing failed (%s)", cpumoe_last_error());
+  free(ws);
+}
+
+/* Each rejected routing problem: its status and a message of its own naming the field. */
+static void test_gating_errors(void) {
+  static float logits[4 * 8], weights[4 * 2];
+  static int32_t ids[4 * 2];
+  static char ws[1 << 16];
+  const cpumoe_gating_problem base = {
+      .M = 4,
+      .M_valid = 4,
+      .E = 8,
+      .topk = 2,
+      .score = SIGMOID,
+      .logits = logits,
+      .logits_dtype = F32,
+      .groups = 4,
+      .topk_groups = 2,
+      .group_score = GTOP2,
+      .topk_weights = weights,
+      .topk_ids = ids,
+  };
+  cpumoe_gating_problem p = base;
+  CHECK(cpumoe_gating(&p, ws, sizeof ws, NULL) == CPUMOE_OK, "routing baseline rejected (%s)",
+        cpumoe_last_error());
+#define REJECT_GATING(what, mutation, status, needle)                                     \
+  do {                                                                                    \
+    p = base;                                                                             \
+    mutation;                                                                             \
+    CHECK(cpumoe_gating_workspace_size(&p, NULL) == 0, "%s: workspace size not 0", what); \
+    CHECK_ERROR(what, cpumoe_gating(&p, ws, sizeof ws, NULL), status, needle);            \
+  } while (0)
+  CHECK_ERROR("NULL problem", cpumoe_gating(NULL, ws, sizeof ws, NULL), CPUMOE_EINVAL, "NULL");
+  REJECT_GATING("M", p.M = -1, CPUMOE_EINVAL, "M must");
+  REJECT_GATING("M_valid", p.M_valid = 5, CPUMOE_EINVAL, "M_valid");
+  REJECT_GATING("E", p.E = 0, CPUMOE_EINVAL, "E must");
+  REJECT_GATING("E int32", p.E = INT64_C(1) << 31, CPUMOE_EINVAL, "E must");
+  REJECT_GATING("score", p.score = (cpumoe_gating_score)9, CPUMOE_EINVAL, "score");
+  REJECT_GATING("logits dtype", p.logits_dtype = I32, CPUMOE_EINVAL, "logits");
+  REJECT_GATING("bias dtype", (p.bias = logits, p.bias_dtype = F64), CPUMOE_EINVAL, "bias");
+  REJECT_GATING("groups", p.groups = 3, CPUMOE_EINVAL, "groups = 3");
+  REJECT_GATING("groups 0", p.groups = 0, CPUMOE_EINVAL, "groups = 0");
+  REJECT_GATING("topk_groups", p.topk_groups = 5, CPUMOE_EINVAL, "topk_groups");
+  REJECT_GATING("group score", p.group_score = (cpumoe_group_score)4, CPUMOE_EINVAL, "group");
+  REJECT_GATING("factor", (p.has_routed_scaling_factor = 1, p.routed_scaling_factor = 0.0f),
+                CPUMOE_EINVAL, "routed_scaling_factor");
+  REJECT_GATING("factor inf", (p.has_routed_scaling_factor = 1, p.routed_scaling_factor = INFINITY),
+                CPUMOE_EINVAL, "routed_scaling_factor");
+  REJECT_GATING("scale without factor", p.scale_output = 1, CPUMOE_EINVAL, "scale_output");
+  REJECT_GATING("num_shared", p.num_shared = -1, CPUMOE_EINVAL, "num_shared");
+  REJECT_GATING("shared without factor", p.num_shared = 1, CPUMOE_EINVAL, "routed_scaling_factor");
+  REJECT_GATING("topk 0", p.topk = 0, CPUMOE_EINVAL, "topk = 0");
+  REJECT_GATING("topk above candidates", p.topk = 5, CPUMOE_EINVAL, "topk = 5");
+  REJECT_GATING("topk 1 with shared",
+                (p.topk = 1, p.num_shared = 1, p.has_routed_scaling_factor = 1,
+                 p.routed_scaling_factor = 2.5f),
+                CPUMOE_EINVAL, "shared slot");
+  REJECT_GATING("NULL logits", p.logits = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT_GATING("sizes", (p.M = INT64_C(1) << 61, p.M_valid = 0, p.groups = 1, p.topk_groups = 1),
+                CPUMOE_EINVAL, "bytes");
+#undef REJECT_GATING
+  p = base;
+  const size_t need = cpumoe_gating_workspace_size(&p, NULL);
+  CHECK_ERROR("workspace small", cpumoe_gating(&p, ws, need - 1, NULL), CPUMOE_EWORKSPACE,
+              "workspace");
+  CHECK_ERROR("workspace NULL", cpumoe_gating(&p, NULL, need, NULL), CPUMOE_EWORKSPACE,
+              "workspace");
+}
+
 /* ---- ISA queries -------------------------------------------------------------------- */
 
 /* `name` is one of the space-separated words of `features` */
@@ -1339,9 +1708,16 @@ int main(int argc, char **argv) {
     const char *name;
     void (*run)(void);
   } sections[] = {
-      {"packers", test_packers}, {"packers", test_pack_int4},   {"packers", test_packer_errors},
-      {"fused", test_fused},     {"errors", test_fused_errors}, {"sizes", test_sizes},
-      {"isa", test_isa},         {"probes", test_probes},
+      {"packers", test_packers},
+      {"packers", test_pack_int4},
+      {"packers", test_packer_errors},
+      {"fused", test_fused},
+      {"errors", test_fused_errors},
+      {"sizes", test_sizes},
+      {"isa", test_isa},
+      {"probes", test_probes},
+      {"gating", test_gating},
+      {"errors", test_gating_errors},
   };
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines survive a sanitizer abort */
   const char *only = NULL;
