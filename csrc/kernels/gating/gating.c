@@ -11,19 +11,20 @@
  *           tier's elementwise kernels, which give the same bits on every tier); rank r[e]
  *           (x[e] unbiased, s[e] + bias[e] biased; NaN ranks as -inf); with groups, each
  *           group's score and the topk_groups best groups; the R best experts of those
- *           groups (a heap of R: O(E log R)); weights s[id], the fused shared slot, scaling.
+ *           groups (best_k: sorted insertion for a small R, a heap beyond); weights s[id],
+ *           the fused shared slot, scaling.
  * ORDER     "before" is a total order: higher rank first, equal ranks by lower index; so the
  *           result never depends on the order candidates are visited in. Sums run in slot
  *           order (the softmax sum in expert order), fp32, from +0.
  * THREADS   tokens in T contiguous ranges, one task each with its own scratch slice
  *           (common/parallel.h); a token's result depends on nothing but its row, so it is
  *           the same for any T and any runner.
- * SCRATCH   per task: x [E] (the widened row), s [E], r [E] (biased), group scores [G],
- *           chosen groups [topk_groups]; nothing else is written but the outputs.
+ * SCRATCH   a 16-bit bias in fp32 [E] (converted once per call); per task: x [E] (the widened
+ *           row), s [E], r [E] (biased), group scores [2 G], chosen groups [topk_groups];
+ *           nothing else is written but the outputs.
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "common/error.h"
 #include "common/numeric.h"
@@ -50,13 +51,22 @@ static inline int goes_before(float a, int32_t ia, float b, int32_t ib) {
   return a > b || (a == b && ia < ib);
 }
 
-/* The k best of the candidates offered, in a heap whose root is the worst kept (so a
- * candidate that does not beat the root costs one comparison). */
+/* The k best of the candidates offered. Up to CM_GATING_SORTED_MAX of them are kept sorted,
+ * best first (a new one is inserted: a few moves for the models' topk of 6 to 9); more are
+ * kept in a heap whose root is the worst (O(log k) per insertion, whatever the order the
+ * candidates come in), sorted at the end. Either way the worst kept is at `worst`, and a
+ * candidate that does not beat it costs one comparison, inline in the callers' loops. */
+#define CM_GATING_SORTED_MAX 32
 typedef struct best_k {
   float *rank;
   int32_t *id;
-  int64_t k, n;
+  int64_t k, n, worst;
 } best_k;
+
+static best_k best_k_in(float *rank, int32_t *id, int64_t k) {
+  return (best_k){
+      .rank = rank, .id = id, .k = k, .n = 0, .worst = k > CM_GATING_SORTED_MAX ? 0 : k - 1};
+}
 
 static void sift_down(best_k *h, int64_t i, int64_t n) {
   for (;;) {
@@ -73,8 +83,13 @@ static void sift_down(best_k *h, int64_t i, int64_t n) {
   }
 }
 
-static void offer(best_k *h, float rank, int32_t id) {
-  if (h->n < h->k) { /* not full: sift the new entry up */
+static void insert(best_k *h, float rank, int32_t id) {
+  if (h->k <= CM_GATING_SORTED_MAX) { /* sorted: move the worse ones down one place */
+    int64_t i = h->n < h->k ? h->n++ : h->k - 1;
+    for (; i > 0 && goes_before(rank, id, h->rank[i - 1], h->id[i - 1]); i--)
+      h->rank[i] = h->rank[i - 1], h->id[i] = h->id[i - 1];
+    h->rank[i] = rank, h->id[i] = id;
+  } else if (h->n < h->k) { /* heap, not full: sift the new entry up */
     int64_t i = h->n++;
     for (; i > 0; i = (i - 1) / 2) {
       const int64_t up = (i - 1) / 2;
@@ -82,14 +97,19 @@ static void offer(best_k *h, float rank, int32_t id) {
       h->rank[i] = h->rank[up], h->id[i] = h->id[up];
     }
     h->rank[i] = rank, h->id[i] = id;
-  } else if (goes_before(rank, id, h->rank[0], h->id[0])) {
+  } else { /* heap, full, and the candidate beats the root (offer checked): replace it */
     h->rank[0] = rank, h->id[0] = id;
     sift_down(h, 0, h->n);
   }
 }
 
-/* Sorts the kept entries best first (heapsort: the worst goes to the end each round). */
+static inline void offer(best_k *h, float rank, int32_t id) {
+  if (h->n < h->k || goes_before(rank, id, h->rank[h->worst], h->id[h->worst])) insert(h, rank, id);
+}
+
+/* The kept entries best first (a heap is sorted: the worst goes to the end each round). */
 static void sort_best_first(best_k *h) {
+  if (h->k <= CM_GATING_SORTED_MAX) return;
   for (int64_t n = h->n; n > 1; n--) {
     const float tr = h->rank[0];
     const int32_t ti = h->id[0];
@@ -104,6 +124,7 @@ static void sort_best_first(best_k *h) {
 typedef struct gating_run {
   const cpumoe_gating_problem *p;
   const cm_elementwise_kernels *ew;
+  const float *bias; /* the bias in fp32 [E], or NULL */
   char *scratch;
   size_t scratch_stride; /* bytes per task */
   int64_t tasks;
@@ -111,14 +132,6 @@ typedef struct gating_run {
   int64_t group_size;
   float factor; /* f: the routed scaling factor when it scales the output, else 1 */
 } gating_run;
-
-static float value_at(const void *v, cpumoe_dtype dtype, int64_t i) {
-  switch (dtype) {
-    case CPUMOE_DTYPE_BF16: return cm_bf16_to_f32(((const uint16_t *)v)[i]);
-    case CPUMOE_DTYPE_F16: return cm_f16_to_f32(((const uint16_t *)v)[i]);
-    default: return ((const float *)v)[i];
-  }
-}
 
 /* The token's logits in fp32: the row itself, or widened into x. */
 static const float *logits_row(const gating_run *g, int64_t m, float *x) {
@@ -140,8 +153,22 @@ static void scores(const gating_run *g, const float *x, float *s) {
   const size_t E = (size_t)g->p->E;
   switch (g->p->score) {
     case CPUMOE_SCORE_SOFTMAX: {
-      float mx = -INFINITY; /* NaN, once seen, stays: the row's weights are NaN */
-      for (size_t e = 0; e < E; e++) mx = (x[e] > mx || x[e] != x[e]) ? x[e] : mx;
+      /* the max in 4 lanes (which the compiler keeps in one register); a NaN makes it NaN,
+       * and the row's weights NaN. Which of two equal values (+0, -0) wins changes no exp. */
+      float lane[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+      int nan = 0;
+      size_t e = 0;
+      for (; e + 4 <= E; e += 4)
+        for (size_t l = 0; l < 4; l++) {
+          lane[l] = x[e + l] > lane[l] ? x[e + l] : lane[l];
+          nan |= x[e + l] != x[e + l];
+        }
+      for (; e < E; e++) {
+        lane[0] = x[e] > lane[0] ? x[e] : lane[0];
+        nan |= x[e] != x[e];
+      }
+      float mx = cm_maxf(cm_maxf(lane[0], lane[1]), cm_maxf(lane[2], lane[3]));
+      mx = nan ? NAN : mx;
       g->ew->exp_shifted(E, x, mx, s);
       float sum = 0.0f;
       for (size_t e = 0; e < E; e++) sum += s[e];
@@ -182,16 +209,16 @@ static void route_token(const gating_run *g, int64_t m, float *x, float *s, floa
   const float *xr = logits_row(g, m, x);
   scores(g, xr, s);
   const float *rank = xr;
-  if (p->bias) {
-    for (int64_t e = 0; e < E; e++) rk[e] = s[e] + value_at(p->bias, p->bias_dtype, e);
+  if (g->bias) {
+    for (int64_t e = 0; e < E; e++) rk[e] = s[e] + g->bias[e];
     rank = rk;
   }
 
   /* the candidates: every expert, or those of the topk_groups best groups */
-  best_k best = {.rank = w, .id = id, .k = R, .n = 0}; /* kept in the output row for now */
+  best_k best = best_k_in(w, id, R); /* kept in the output row for now */
   if (p->topk_groups < p->groups) {
     for (int64_t grp = 0; grp < p->groups; grp++) gscore[grp] = group_score(g, rank, grp);
-    best_k groups = {.rank = gscore + p->groups, .id = gsel, .k = p->topk_groups, .n = 0};
+    best_k groups = best_k_in(gscore + p->groups, gsel, p->topk_groups);
     for (int64_t grp = 0; grp < p->groups; grp++) offer(&groups, gscore[grp], (int32_t)grp);
     for (int64_t i = 0; i < groups.n; i++)
       for (int64_t e = gsel[i] * g->group_size; e < (gsel[i] + 1) * g->group_size; e++)
@@ -301,9 +328,15 @@ static cpumoe_status validate(const cpumoe_gating_problem *p) {
   return CPUMOE_OK;
 }
 
+/* Bytes before the tasks' scratch: a 16-bit bias in fp32, converted once per call. */
+static int64_t bias_bytes(const cpumoe_gating_problem *p) {
+  return p->bias && p->bias_dtype != CPUMOE_DTYPE_F32 ? (p->E * 4 + 63) / 64 * 64 : 0;
+}
+
 size_t cpumoe_gating_workspace_size(const cpumoe_gating_problem *p, const cpumoe_runner *runner) {
   if (validate(p) != CPUMOE_OK) return 0;
-  const int64_t bytes = cm_size_product(task_count(p, runner), scratch_stride(p), 1);
+  int64_t bytes = cm_size_product(task_count(p, runner), scratch_stride(p), 1);
+  bytes = bytes < 0 || bytes > PTRDIFF_MAX / 2 ? -1 : bytes + bias_bytes(p);
   if (bytes < 0 || bytes > PTRDIFF_MAX - 64) {
     cm_fail(CPUMOE_EINVAL, "the routing scratch for E=%lld exceeds the address space",
             (long long)p->E);
@@ -320,10 +353,18 @@ cpumoe_status cpumoe_gating(const cpumoe_gating_problem *p, void *workspace, siz
   if (!workspace || workspace_bytes < need)
     return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
                    need);
+  char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+  const cm_elementwise_kernels *ew = &cm_active_config()->elementwise;
+  const float *bias = p->bias_dtype == CPUMOE_DTYPE_F32 ? (const float *)p->bias : (float *)ws;
+  if (p->bias && p->bias_dtype == CPUMOE_DTYPE_BF16)
+    ew->widen_bf16((size_t)p->E, (const uint16_t *)p->bias, (float *)ws);
+  else if (p->bias && p->bias_dtype == CPUMOE_DTYPE_F16)
+    ew->widen_f16((size_t)p->E, (const uint16_t *)p->bias, (float *)ws);
   gating_run g = {
       .p = p,
-      .ew = &cm_active_config()->elementwise,
-      .scratch = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63),
+      .ew = ew,
+      .bias = p->bias ? bias : NULL,
+      .scratch = ws + bias_bytes(p),
       .scratch_stride = (size_t)scratch_stride(p),
       .tasks = task_count(p, runner),
       .routed = p->topk - (p->num_shared > 0),
