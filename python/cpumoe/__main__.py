@@ -70,7 +70,8 @@ COMMANDS = {
     "info": (info_main, "show the CPU, its features, the ISA tiers built and the one in use"),
     "bench": (bench_main, "benchmark fused_experts (every weight scheme) on model shapes vs "
                           "the measured roofline and PyTorch (python -m cpumoe bench --help); "
-                          "'bench compare A.json B.json' sets two saved runs side by side"),
+                          "'bench compare A.json B.json' sets two saved runs side by side; "
+                          "'bench routing' times the routing ops against the layer they route"),
 }
 
 

@@ -1,6 +1,6 @@
 """``python -m cpumoe bench``: the options (:func:`build_parser`, the ``--quick`` preset),
-the entry point (:func:`main`, which also dispatches ``compare`` and the capped baseline's
-worker) and the run itself (:func:`run`), step by step."""
+the entry point (:func:`main`, which also dispatches ``compare``, ``routing`` and the capped
+baseline's worker) and the run itself (:func:`run`), step by step."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._progress import Progress
-from . import compare
+from . import compare, routing
 from .baselines import BASELINES, PEERS
 from .capped import _WORKER_FLAG, _baseline_worker, run_capped_baseline
 from .machine import (
@@ -130,6 +130,7 @@ def _parse_threads(text: str) -> List[int]:
 # --quick: a representative subset that finishes in under 2 minutes on the 2-vCPU dev VM:
 # one shape, every scheme, decode / mid / prefill M, shorter timing, 1-thread scaling.
 COMPARE_COMMAND = "compare"  # python -m cpumoe bench compare A.json B.json
+ROUTING_COMMAND = "routing"  # python -m cpumoe bench routing [options]
 
 QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
          "min_time": 0.3}
@@ -239,12 +240,15 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m cpumoe bench``; returns 0 on success. ``compare A.json B.json`` as the
-    first arguments sets two saved runs side by side instead (:mod:`cpumoe.bench.compare`)."""
+    first arguments sets two saved runs side by side instead (:mod:`cpumoe.bench.compare`),
+    ``routing`` times the routing ops (:mod:`cpumoe.bench.routing`)."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     if argv[:1] == [_WORKER_FLAG]:  # the subprocess of --baseline-isa
         return _baseline_worker(argv[1:])
     if argv[:1] == [COMPARE_COMMAND]:
         return compare.main(argv[1:])
+    if argv[:1] == [ROUTING_COMMAND]:
+        return routing.main(argv[1:])
     parser = build_parser()
     args = resolve_arguments(parser.parse_args(argv))
     shapes = _checked_arguments(parser, args)
