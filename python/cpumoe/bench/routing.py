@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .machine import machine_info, measure_read_bandwidth
+from .machine import build_info, machine_info, measure_read_bandwidth
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def run(cases: Sequence[str], ms: Sequence[int], min_time: float, eager: bool,
                 row["eager_us_median"] = statistics.median(te) * 1e6
             rows.append(row)
     return dict(read_bandwidth_gbps=bw, threads=torch.get_num_threads(), rows=rows,
-                machine=machine_info())
+                machine=machine_info(), build=build_info())
 
 
 def format_table(doc: dict) -> str:
