@@ -160,6 +160,29 @@ RoutingResult plain_topk(const at::Tensor &hidden_states, const at::Tensor &gati
   return run(p, op);
 }
 
+// grouped_topk_cpu (softmax, groups by their best logit) and biased_grouped_topk_cpu (with a
+// correction bias: sigmoid, groups by the sum of their two best); the factor, given, scales
+// the output.
+RoutingResult grouped_topk(const at::Tensor &hidden_states, const at::Tensor &gating_output,
+                           const at::Tensor *correction_bias, int64_t topk, bool renormalize,
+                           int64_t num_expert_group, int64_t topk_group,
+                           int64_t num_fused_shared_experts,
+                           std::optional<double> routed_scaling_factor,
+                           const std::optional<at::Tensor> &num_token_non_padded, const char *op) {
+  cpumoe_gating_problem p{};
+  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
+  const at::Tensor bias = correction_bias ? check_bias(*correction_bias, p, op) : at::Tensor();
+  check_groups(num_expert_group, topk_group, p, op);
+  check_scaling(num_fused_shared_experts, routed_scaling_factor, p, op);
+  check_topk(topk, p, op);
+  check_non_padded(num_token_non_padded, p, op);
+  p.score = correction_bias ? CPUMOE_SCORE_SIGMOID : CPUMOE_SCORE_SOFTMAX;
+  p.group_score = correction_bias ? CPUMOE_GROUP_TOP2_SUM : CPUMOE_GROUP_MAX;
+  p.renormalize = renormalize;
+  p.scale_output = p.has_routed_scaling_factor;
+  return run(p, op);
+}
+
 }  // namespace
 
 RoutingResult topk_softmax_cpu(const at::Tensor &hidden_states, const at::Tensor &gating_output,
@@ -179,18 +202,9 @@ RoutingResult grouped_topk_cpu(const at::Tensor &hidden_states, const at::Tensor
                                int64_t topk_group, int64_t num_fused_shared_experts,
                                std::optional<double> routed_scaling_factor,
                                const std::optional<at::Tensor> &num_token_non_padded) {
-  const char *op = "grouped_topk_cpu";
-  cpumoe_gating_problem p{};
-  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
-  check_groups(num_expert_group, topk_group, p, op);
-  check_scaling(num_fused_shared_experts, routed_scaling_factor, p, op);
-  check_topk(topk, p, op);
-  check_non_padded(num_token_non_padded, p, op);
-  p.score = CPUMOE_SCORE_SOFTMAX;
-  p.group_score = CPUMOE_GROUP_MAX;
-  p.renormalize = renormalize;
-  p.scale_output = p.has_routed_scaling_factor;
-  return run(p, op);
+  return grouped_topk(hidden_states, gating_output, nullptr, topk, renormalize, num_expert_group,
+                      topk_group, num_fused_shared_experts, routed_scaling_factor,
+                      num_token_non_padded, "grouped_topk_cpu");
 }
 
 RoutingResult biased_grouped_topk_cpu(const at::Tensor &hidden_states,
@@ -200,19 +214,9 @@ RoutingResult biased_grouped_topk_cpu(const at::Tensor &hidden_states,
                                       int64_t topk_group, int64_t num_fused_shared_experts,
                                       std::optional<double> routed_scaling_factor,
                                       const std::optional<at::Tensor> &num_token_non_padded) {
-  const char *op = "biased_grouped_topk_cpu";
-  cpumoe_gating_problem p{};
-  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
-  const at::Tensor bias = check_bias(correction_bias, p, op);
-  check_groups(num_expert_group, topk_group, p, op);
-  check_scaling(num_fused_shared_experts, routed_scaling_factor, p, op);
-  check_topk(topk, p, op);
-  check_non_padded(num_token_non_padded, p, op);
-  p.score = CPUMOE_SCORE_SIGMOID;
-  p.group_score = CPUMOE_GROUP_TOP2_SUM;
-  p.renormalize = renormalize;
-  p.scale_output = p.has_routed_scaling_factor;
-  return run(p, op);
+  return grouped_topk(hidden_states, gating_output, &correction_bias, topk, renormalize,
+                      num_expert_group, topk_group, num_fused_shared_experts, routed_scaling_factor,
+                      num_token_non_padded, "biased_grouped_topk_cpu");
 }
 
 RoutingResult biased_topk_cpu(const at::Tensor &hidden_states, const at::Tensor &gating_output,

@@ -67,44 +67,23 @@ def _convert_weight_packed_scale_zp_fake(weight, qzeros, scales, quant_method_4b
     return packed, zeros, out_scales
 
 
-def _routing_fake(op, hidden_states, topk, **tensors):
-    """(topk_weights float32, topk_ids int32) [M, topk], as the real op returns them."""
-    _same_device(op, hidden_states, **tensors)
-    M = hidden_states.shape[0]
-    return (hidden_states.new_empty((M, topk), dtype=torch.float32),
-            hidden_states.new_empty((M, topk), dtype=torch.int32))
+def _register_routing_fake(op):
+    """The fake kernel of a routing op: (topk_weights float32, topk_ids int32) [M, topk], as
+    the real op returns them; every tensor argument must be on hidden_states' device."""
+    names = [a.name for a in getattr(torch.ops.cpumoe, op).default._schema.arguments]
+
+    def fake(*args, **kwargs):
+        bound = {**dict(zip(names, args)), **kwargs}
+        hidden_states = bound.pop("hidden_states")
+        _same_device(op, hidden_states,
+                     **{k: v for k, v in bound.items() if isinstance(v, torch.Tensor)})
+        M, topk = hidden_states.shape[0], bound["topk"]
+        return (hidden_states.new_empty((M, topk), dtype=torch.float32),
+                hidden_states.new_empty((M, topk), dtype=torch.int32))
+
+    torch.library.register_fake(f"cpumoe::{op}")(fake)
 
 
-@torch.library.register_fake("cpumoe::topk_softmax_cpu")
-def _topk_softmax_fake(hidden_states, gating_output, topk, renormalize):
-    return _routing_fake("topk_softmax_cpu", hidden_states, topk, gating_output=gating_output)
-
-
-@torch.library.register_fake("cpumoe::topk_sigmoid_cpu")
-def _topk_sigmoid_fake(hidden_states, gating_output, topk, renormalize):
-    return _routing_fake("topk_sigmoid_cpu", hidden_states, topk, gating_output=gating_output)
-
-
-@torch.library.register_fake("cpumoe::grouped_topk_cpu")
-def _grouped_topk_fake(hidden_states, gating_output, topk, renormalize, num_expert_group,
-                       topk_group, num_fused_shared_experts, routed_scaling_factor,
-                       num_token_non_padded):
-    return _routing_fake("grouped_topk_cpu", hidden_states, topk, gating_output=gating_output,
-                         num_token_non_padded=num_token_non_padded)
-
-
-@torch.library.register_fake("cpumoe::biased_grouped_topk_cpu")
-def _biased_grouped_topk_fake(hidden_states, gating_output, correction_bias, topk, renormalize,
-                              num_expert_group, topk_group, num_fused_shared_experts,
-                              routed_scaling_factor, num_token_non_padded):
-    return _routing_fake("biased_grouped_topk_cpu", hidden_states, topk,
-                         gating_output=gating_output, correction_bias=correction_bias,
-                         num_token_non_padded=num_token_non_padded)
-
-
-@torch.library.register_fake("cpumoe::biased_topk_cpu")
-def _biased_topk_fake(hidden_states, gating_output, correction_bias, topk, renormalize,
-                      scoring_func, num_fused_shared_experts, routed_scaling_factor,
-                      apply_routed_scaling_factor_on_output):
-    return _routing_fake("biased_topk_cpu", hidden_states, topk, gating_output=gating_output,
-                         correction_bias=correction_bias)
+for _op in ("topk_softmax_cpu", "topk_sigmoid_cpu", "grouped_topk_cpu", "biased_grouped_topk_cpu",
+            "biased_topk_cpu"):
+    _register_routing_fake(_op)
