@@ -954,3 +954,39 @@ def test_peer_without_a_format_for_the_row_is_skipped_with_the_reason(tmp_path, 
         else:
             assert c["vllm_ms"] is None and c["vllm_skipped"] == "bf16 rows only"
     assert "vllm not run on int8 rows: bf16 rows only" in capsys.readouterr().out
+
+
+def test_bench_routing(tmp_path, monkeypatch, capsys):
+    """python -m cpumoe bench routing: the table and the JSON; its eager versions pick the
+    experts cpumoe picks (fp32 logits, so no ties)."""
+    from cpumoe.bench import routing
+
+    monkeypatch.setattr(routing, "measure_read_bandwidth", lambda: 20.0)
+    path = tmp_path / "routing.json"
+    argv = ["routing", "--case", "qwen3,dsv3-shared,dsv2", "--m", "1,3", "--min-time", "0.01",
+            "--threads", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b topk_softmax" in out and "% layer" in out
+    doc = json.loads(path.read_text())
+    assert doc["read_bandwidth_gbps"] == 20.0 and doc["threads"] == 1
+    assert [(r["case"], r["M"]) for r in doc["rows"]] == [
+        ("qwen3", 1), ("qwen3", 3), ("dsv3-shared", 1), ("dsv3-shared", 3), ("dsv2", 1),
+        ("dsv2", 3)]
+    for r in doc["rows"]:
+        assert 0 < r["us_best"] <= r["us_median"] and r["eager_us_median"] > 0
+        case = routing.CASES[r["case"]]
+        assert r["layer_ms_estimate"] == pytest.approx(case.layer_bytes(r["M"]) / 20e9 * 1e3)
+        assert r["percent_of_layer"] == pytest.approx(
+            100 * r["us_median"] / (r["layer_ms_estimate"] * 1e3))
+    # M = 1 touches topk experts (plus the shared one): 3 N K bytes each
+    assert routing.CASES["qwen3"].layer_bytes(1) == pytest.approx(8 * 3 * 768 * 2048 * 2)
+    assert routing.CASES["dsv3-shared"].layer_bytes(1) == pytest.approx(9 * 3 * 2048 * 7168)
+    for key, case in routing.CASES.items():
+        logits, ours, eager = routing._calls(case, 5, 1, seed=3)
+        lg = logits[0].float()
+        got, want = ours(lg), eager(lg)
+        assert torch.equal(got[1].sort(-1).values, want[1].sort(-1).values), key
+        order_got, order_want = got[1].argsort(-1), want[1].argsort(-1)
+        torch.testing.assert_close(got[0].gather(1, order_got), want[0].gather(1, order_want),
+                                   rtol=1e-5, atol=1e-6)
