@@ -251,8 +251,10 @@ static void gating_task(void *ctx, int64_t t) {
   char *base = g->scratch + (size_t)t * g->scratch_stride;
   float *x = (float *)base, *s = x + E, *rk = s + E, *gscore = rk + E;
   int32_t *gsel = (int32_t *)(gscore + 2 * p->groups);
-  for (int64_t m = p->M * t / g->tasks; m < p->M * (t + 1) / g->tasks; m++)
-    route_token(g, m, x, s, rk, gscore, gsel);
+  /* range t of T near-equal ranges: the first M % T hold one token more (no M * t product) */
+  const int64_t q = p->M / g->tasks, r = p->M % g->tasks;
+  const int64_t begin = q * t + (t < r ? t : r), end = begin + q + (t < r);
+  for (int64_t m = begin; m < end; m++) route_token(g, m, x, s, rk, gscore, gsel);
 }
 
 /* Scratch bytes of one task, a multiple of 64: x, s, r [E], group scores and the ranks of
