@@ -136,6 +136,18 @@ typedef struct cm_int4_tile {
   size_t bk;             /* k per block */
   size_t group_blocks;   /* blocks per group: block b uses group b / group_blocks */
 } cm_int4_tile;
+
+/* The zero points and scales of group `group + ahead_groups` into L1: they live in arrays of
+ * their own, which the nibble read-ahead does not cover (past the tile's last group they are
+ * the next tile's; a prefetch never faults). */
+static inline __attribute__((always_inline)) void cm_int4_prefetch_group_meta(const cm_int4_tile *w,
+                                                                              size_t group,
+                                                                              size_t ahead_groups) {
+  const size_t at = (group + ahead_groups) * CM_NR;
+  __builtin_prefetch(w->zeros + at, 0, 3);
+  __builtin_prefetch(w->scales + at, 0, 3);
+  __builtin_prefetch(w->scales + at + 16, 0, 3);
+}
 /* INT4 decode path, weights decoded in registers. For each block b of [kb0, kb0 + nb), in
  * order, with A u8 [nb bk/4][a_stride][4] starting at block kb0, holding q + 128, and
  * q_sums int32 [nb][a_stride], q_sums[b][r] = sum_{k in b} q[r][k]:

@@ -135,23 +135,24 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
 #define CM_AVX2_INT4_DECODE_ROWS 1
+/* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
+static cm_gemm_config *with_decode(cm_gemm_config *g, size_t max_rows, cm_panel_format format) {
+  g->decode_max_rows = max_rows;
+  g->decode_a_format = format;
+  return g;
+}
+
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
-    cm_gemm_config *g = &c->gemm[CM_UNQUANT][act];
-    g->decode_max_rows = CM_AVX2_UNQUANT_DECODE_ROWS;
-    g->decode_a_format = CM_PANEL_F32;
-    g->kernels.unquant.gemm_decode =
+    with_decode(&c->gemm[CM_UNQUANT][act], CM_AVX2_UNQUANT_DECODE_ROWS, CM_PANEL_F32)
+        ->kernels.unquant.gemm_decode =
         act == CM_BF16 ? cm_bf16_gemm_decode_mrx32__avx2 : cm_f16_gemm_decode_mrx32__avx2;
-    g = &c->gemm[CM_INT8][act];
-    g->decode_max_rows = CM_AVX2_INT8_DECODE_ROWS;
-    g->decode_a_format = CM_PANEL_U8_QUADS;
-    g->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
-    g = &c->gemm[CM_INT4][act];
-    g->decode_max_rows = CM_AVX2_INT4_DECODE_ROWS;
-    g->decode_a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
-    g->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+    with_decode(&c->gemm[CM_INT8][act], CM_AVX2_INT8_DECODE_ROWS, CM_PANEL_U8_QUADS)
+        ->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
+    with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
+        ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
   }
 }
 
@@ -160,10 +161,8 @@ static void cm_config_init__avx512(cm_tier_config *c) {
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX512;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     /* decode expands nibbles in registers and needs each row's sums per block */
-    cm_gemm_config *g = &c->gemm[CM_INT4][act];
-    g->kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
-    g->decode_a_format = CM_PANEL_U8_QUADS_BLOCK_SUMS;
-    g->decode_max_rows = CM_DECODE_MAX_ROWS;
+    with_decode(&c->gemm[CM_INT4][act], CM_DECODE_MAX_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
+        ->kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
   }
 }
 
@@ -176,14 +175,10 @@ static void cm_config_init__avx512(cm_tier_config *c) {
 #define CM_BF16_PAIRS_MAX_ROWS 2
 #define CM_FP8_PAIRS_MAX_ROWS 1
 static void cm_config_init__avx512bf16(cm_tier_config *c) {
-  cm_gemm_config *g = &c->gemm[CM_UNQUANT][CM_BF16];
-  g->decode_max_rows = CM_BF16_PAIRS_MAX_ROWS;
-  g->decode_a_format = CM_PANEL_BF16_PAIRS;
-  g->kernels.unquant.gemm_decode = cm_bf16_gemm_pairs_mrx32__avx512bf16;
-  g = &c->gemm[CM_FP8][CM_BF16];
-  g->decode_max_rows = CM_FP8_PAIRS_MAX_ROWS;
-  g->decode_a_format = CM_PANEL_BF16_PAIRS;
-  g->kernels.fp8.gemm_decode = cm_fp8_gemm_pairs_mrx32__avx512bf16;
+  with_decode(&c->gemm[CM_UNQUANT][CM_BF16], CM_BF16_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
+      ->kernels.unquant.gemm_decode = cm_bf16_gemm_pairs_mrx32__avx512bf16;
+  with_decode(&c->gemm[CM_FP8][CM_BF16], CM_FP8_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
+      ->kernels.fp8.gemm_decode = cm_fp8_gemm_pairs_mrx32__avx512bf16;
 }
 
 /* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles). INT8 and INT4 run tdpbusd on the same

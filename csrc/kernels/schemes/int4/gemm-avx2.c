@@ -51,10 +51,7 @@ void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0
   cm_int4_group_of_block(kb0, w->group_blocks, &group, &group_left);
   for (size_t b = 0; b < nb; b++) {
     const uint8_t *block = w->blocks + (kb0 + b) * block_bytes;
-    const size_t ahead = (group + CM_INT4_META_GROUPS_AHEAD) * CM_NR; /* may pass the end */
-    _mm_prefetch((const char *)(w->zeros + ahead), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w->scales + ahead), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w->scales + ahead + 16), _MM_HINT_T0);
+    cm_int4_prefetch_group_meta(w, group, CM_INT4_META_GROUPS_AHEAD);
     const uint8_t *ab = a + b * bk * as;
     __m256i sum32[4];
     for (int j = 0; j < 4; j++) sum32[j] = _mm256_setzero_si256();

@@ -112,10 +112,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, const 
   const __m512i flip_sign = _mm512_set1_epi8((char)0x80); /* q + 128 -> q */
   for (size_t b = 0; b < nb; b++) {
     const uint8_t *block = w->blocks + (kb0 + b) * block_bytes;
-    const size_t ahead = (group + CM_INT4_META_GROUPS_AHEAD) * CM_NR; /* may pass the end */
-    _mm_prefetch((const char *)(w->zeros + ahead), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w->scales + ahead), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w->scales + ahead + 16), _MM_HINT_T0);
+    cm_int4_prefetch_group_meta(w, group, CM_INT4_META_GROUPS_AHEAD);
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_si512();
     const uint8_t *ab = a + b * bk * as;
