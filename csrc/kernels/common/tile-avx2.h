@@ -16,6 +16,11 @@
 
 #define CM_INLINE static inline __attribute__((always_inline))
 
+/* The avx2 decode kernels' read-ahead (unquant/, int8/, int4/), bytes of weights: into L1 and
+ * into L2 (cm_prefetch_ahead), as the avx512 decode kernels' measured distances. */
+#define CM_DECODE_PF_L1_BYTES_AVX2 2048
+#define CM_DECODE_PF_L2_BYTES_AVX2 8192
+
 /* acc = C[:, col0..col0+16) (accumulate) or +0 */
 CM_INLINE void cm_tile_load__avx2(const int mr, __m256 *acc0, __m256 *acc1, const float *c,
                                   int col0, int accumulate) {

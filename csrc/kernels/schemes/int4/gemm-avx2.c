@@ -25,12 +25,23 @@
 #include <string.h>
 
 #include "common/int4.h"
+#include "common/tile-avx2.h"
 #include "common/ukernels.h"
 
-/* Decode read-ahead, as the avx512 decode GEMM (gemm-avx512.c): nibble bytes ahead into L1
- * and L2, rounded up to whole blocks, and the zero points and scales this many groups ahead. */
-#define CM_INT4_PREFETCH_L1_BYTES 2048
-#define CM_INT4_PREFETCH_L2_BYTES 8192
+/* zero points of 8 columns as int32 lanes */
+static inline __m256i zero_ints(const int8_t *zero) {
+  int64_t z;
+  memcpy(&z, zero, 8);
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z));
+}
+
+/* the same, each repeated over the 4 bytes of its dword */
+static inline __m256i zero_dwords(const int8_t *zero) {
+  return _mm256_mullo_epi32(zero_ints(zero), _mm256_set1_epi32(0x01010101));
+}
+
+/* Decode read-ahead: nibble bytes ahead into L1 and L2 (tile-avx2.h), rounded up to whole
+ * blocks, and the zero points and scales this many groups ahead, as gemm-avx512.c. */
 #define CM_INT4_META_GROUPS_AHEAD 4
 #define CM_INT4_I16_QUADS 8 /* k-quads summed in int16 before widening (header) */
 
@@ -40,8 +51,8 @@ void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0
   CM_EXPECT(mr == 1);
   (void)mr;
   const size_t bk = w->bk, block_bytes = cm_int4_block_bytes(bk), quads = bk / 4;
-  const size_t ahead_l1 = cm_int4_blocks_covering(CM_INT4_PREFETCH_L1_BYTES, bk);
-  const size_t ahead_l2 = cm_int4_blocks_covering(CM_INT4_PREFETCH_L2_BYTES, bk);
+  const size_t ahead_l1 = cm_int4_blocks_covering(CM_DECODE_PF_L1_BYTES_AVX2, bk);
+  const size_t ahead_l2 = cm_int4_blocks_covering(CM_DECODE_PF_L2_BYTES_AVX2, bk);
   const __m256i low_nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i flip_sign = _mm256_set1_epi8((char)0x80); /* q + 128 -> q */
   __m256 out[4];
@@ -81,23 +92,13 @@ void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0
     const float *scale = w->scales + group * CM_NR;
     const __m256i q_sum = _mm256_set1_epi32(q_sums[b * as]);
     for (int j = 0; j < 4; j++) {
-      int64_t z8;
-      memcpy(&z8, zero + 8 * j, 8);
-      const __m256i z = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z8));
-      const __m256i exact = _mm256_sub_epi32(sum32[j], _mm256_mullo_epi32(z, q_sum));
+      const __m256i exact =
+          _mm256_sub_epi32(sum32[j], _mm256_mullo_epi32(zero_ints(zero + 8 * j), q_sum));
       out[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(scale + 8 * j), out[j]);
     }
     if (--group_left == 0) group++, group_left = w->group_blocks;
   }
   for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + 8 * j, out[j]);
-}
-
-/* zero points of 8 columns, each repeated over the 4 bytes of its dword */
-static inline __m256i zero_dwords(const int8_t *zero) {
-  int64_t z;
-  memcpy(&z, zero, 8);
-  return _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z)),
-                            _mm256_set1_epi32(0x01010101));
 }
 
 void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {

@@ -19,7 +19,7 @@
  * Decode kernel (blocks of up to 2 rows, where the weights stream from memory once and are
  * the whole cost): the four passes would read each 64-byte line in two halves, one pass
  * apart, at a 128-byte stride. It does all 32 columns in one pass instead, 128 bytes per k
- * quad in memory order, both lines prefetched ahead (CM_DECODE_PF_*). One row: 8
+ * quad in memory order, both lines prefetched ahead (CM_DECODE_PF_*_AVX2). One row: 8
  * accumulators (two per 8 columns, as above) + 1 A + 3 B = 12 ymm; two rows: each k quad's
  * pair sums folded at once with vphaddd, 4 accumulators per row. The same exact int32 sums.
  */
@@ -30,14 +30,20 @@
 #include "common/ukernels.h"
 
 #define MR 4
-/* Decode read-ahead, bytes of weights: into L1 and into L2, both lines of each k quad. */
-#define CM_DECODE_PF_L1_BYTES 2048
-#define CM_DECODE_PF_L2_BYTES 8192
 
 static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
   int32_t v;
   memcpy(&v, p, 4);
   return _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(v)));
+}
+
+/* 8 columns' int32 sums in the lane order 0,1,4,5 | 2,3,6,7 (what vphaddd of the pair-sum
+ * accumulators gives) into out[0..8), added to it if accumulate */
+static inline __attribute__((always_inline)) void store_sums(int32_t *out, __m256i lane_order,
+                                                             int accumulate) {
+  __m256i v = _mm256_permute4x64_epi64(lane_order, 0xd8);
+  if (accumulate) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)out));
+  _mm256_storeu_si256((__m256i *)out, v);
 }
 
 /* 8 columns [col0, col0 + 8) over the chunk */
@@ -68,10 +74,7 @@ static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
     /* lanes (2j, 2j+1) of acc0 are column j's halves (j < 4), of acc1 column 4 + j */
-    __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc0[r], acc1[r]), 0xd8);
-    int32_t *out = acc + r * CM_NR + col0;
-    if (accumulate) sums = _mm256_add_epi32(sums, _mm256_loadu_si256((const __m256i *)out));
-    _mm256_storeu_si256((__m256i *)out, sums);
+    store_sums(acc + r * CM_NR + col0, _mm256_hadd_epi32(acc0[r], acc1[r]), accumulate);
   }
 }
 
@@ -108,7 +111,7 @@ static inline __attribute__((always_inline)) void decode_row(size_t kc, const ui
   for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
   for (size_t kq = 0; kq < kc / 4; kq++) {
     const int8_t *bk = b + kq * 128;
-    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
+    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 2);
     const __m256i x = widen_a(a + kq * as * 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
@@ -118,10 +121,7 @@ static inline __attribute__((always_inline)) void decode_row(size_t kc, const ui
   }
 #pragma GCC unroll 4
   for (int j = 0; j < 4; j++) {
-    __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[j], hi[j]), 0xd8);
-    if (accumulate)
-      sums = _mm256_add_epi32(sums, _mm256_loadu_si256((const __m256i *)(acc + 8 * j)));
-    _mm256_storeu_si256((__m256i *)(acc + 8 * j), sums);
+    store_sums(acc + 8 * j, _mm256_hadd_epi32(lo[j], hi[j]), accumulate);
   }
 }
 
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void decode_rows2(size_t kc, const 
   for (int j = 0; j < 4; j++) sums[0][j] = sums[1][j] = _mm256_setzero_si256();
   for (size_t kq = 0; kq < kc / 4; kq++) {
     const int8_t *bk = b + kq * 128;
-    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
+    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 2);
     const __m256i x0 = widen_a(a + kq * as * 4), x1 = widen_a(a + kq * as * 4 + 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
@@ -150,12 +150,7 @@ static inline __attribute__((always_inline)) void decode_rows2(size_t kc, const 
 #pragma GCC unroll 2
   for (int r = 0; r < 2; r++)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-      int32_t *out = acc + r * CM_NR + 8 * j;
-      __m256i v = _mm256_permute4x64_epi64(sums[r][j], 0xd8);
-      if (accumulate) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)out));
-      _mm256_storeu_si256((__m256i *)out, v);
-    }
+    for (int j = 0; j < 4; j++) store_sums(acc + r * CM_NR + 8 * j, sums[r][j], accumulate);
 }
 
 void cm_u8s8_gemm_decode_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,

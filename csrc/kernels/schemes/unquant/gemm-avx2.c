@@ -15,7 +15,7 @@
  *
  * Decode kernel (blocks of up to MR_DECODE = 2 rows, where the weights stream from memory
  * once and are the whole cost): all 32 columns in one pass, so the stream is read in memory
- * order, 128 bytes per k pair, both lines prefetched ahead (CM_DECODE_PF_*). Per row 4
+ * order, 128 bytes per k pair, both lines prefetched ahead (CM_DECODE_PF_*_AVX2). Per row 4
  * accumulators of 8 columns: 4 independent FMA chains, where the two-pass tile has 2 and
  * its 4-cycle FMA latency bounds a one-row block below the memory stream. Each 16-byte
  * quarter of the k pair is widened just before its FMAs: 2 rows x 4 accumulators + 4
@@ -29,9 +29,6 @@
 #define MR CM_TILE_MR_AVX2
 #define CM_PREFETCH_KPAIRS 32
 #define MR_DECODE 2
-/* Decode read-ahead, bytes of weights: into L1 and into L2, both lines of each k pair. */
-#define CM_DECODE_PF_L1_BYTES 2048
-#define CM_DECODE_PF_L2_BYTES 8192
 
 typedef enum { W_BF16, W_F16 } weight_kind;
 
@@ -130,7 +127,7 @@ static inline __attribute__((always_inline)) void gemm_decode_body(const int mr,
                              : _mm256_setzero_ps();
   for (size_t kp = 0; kp < k / 2; kp++) {
     const uint16_t *bk = b + kp * 64;
-    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES, CM_DECODE_PF_L2_BYTES, 2);
+    cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 2);
     __m256 x_even[MR_DECODE], x_odd[MR_DECODE];
 #pragma GCC unroll 2
     for (int r = 0; r < mr; r++) {
