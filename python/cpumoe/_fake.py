@@ -38,6 +38,16 @@ def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inpl
     return torch.empty_like(hidden_states)
 
 
+@torch.library.register_fake("cpumoe::fused_experts_cpu.activation")
+def _fused_experts_activation_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                   moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                   block_size, w1_bias, w2_bias, alpha, limit, is_vnni,
+                                   activation=None):
+    return _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                    moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                    block_size, w1_bias, w2_bias, alpha, limit, is_vnni)
+
+
 @torch.library.register_fake("cpumoe::shared_expert_cpu")
 def _shared_expert_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
                         inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size,
