@@ -178,7 +178,7 @@ static inline float cm_siluf(float x) {
 
 /*
  * erf-GELU, x * Phi(x) with Phi the standard normal CDF, accurate in both tails (the usual
- * 0.5 x (1 + erf(x / sqrt2)) loses every digit below x = -5 to the cancellation in 1 + erf).
+ * 0.5 x (1 + erf(x / sqrt2)) cancels in 1 + erf: in fp32 it is 0 from x = -6 on).
  * Phi comes from erfc(z), z = |x| / sqrt2, in one branch-free form for all z >= 0:
  *   erfc(z) = t exp(P(t) - z^2),  t = 2 / (2 + z),
  * with P our degree-9 least-squares fit of log(erfc(z) / t) + z^2 over z in [0, 9.4]
