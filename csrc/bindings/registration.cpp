@@ -72,10 +72,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpumoe native helpers (the ops themselves are torch.ops.cpumoe.*)";
   m.def("active_isa", &rt::active_isa, "ISA tier the ops use");
   m.def("best_isa", &rt::best_isa, "best ISA tier this CPU and build support");
-  m.def("set_isa", &rt::set_isa, "cap the active tier (scalar, avx2, avx512)");
+  m.def("set_isa", &rt::set_isa,
+        "cap the active tier at a built tier (or its nearest ancestor this CPU runs)");
   m.def("isa_reason", &rt::isa_reason);
   m.def("cpu_features", &rt::cpu_features);
-  m.def("built_isas", &rt::built_isas);
+  m.def("built_isas", &rt::built_isas, "tiers compiled in, worst first (rank order)");
+  m.def("supported_isas", &rt::supported_isas, "the built tiers this CPU runs, worst first");
   m.def("numerics_class", &rt::numerics_class,
         "numerics class of a tier's results: tiers of one class give the same bits");
   m.def("release_workspace", &rt::release_workspace,

@@ -113,10 +113,19 @@ std::string cpu_features() {
   return cpumoe_cpu_features();
 }
 
+// Tiers in rank order, worst first (the rows of cpumoe/tiers.h; ids need not follow it).
 std::vector<std::string> built_isas() {
   std::vector<std::string> names;
-  for (int i = 0; i < CPUMOE_ISA_COUNT; ++i)
-    names.emplace_back(cpumoe_isa_name(static_cast<cpumoe_isa>(i)));
+#define CPUMOE_TIER_NAME(ENUM, ...) names.emplace_back(cpumoe_isa_name(CPUMOE_ISA_##ENUM));
+  CPUMOE_FOR_EACH_TIER(CPUMOE_TIER_NAME)
+#undef CPUMOE_TIER_NAME
+  return names;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const std::string &name : built_isas())
+    if (cpumoe_isa_native(cpumoe_isa_from_name(name.c_str()))) names.push_back(name);
   return names;
 }
 

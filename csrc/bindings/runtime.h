@@ -37,6 +37,7 @@ void set_isa(const std::string &name);
 std::string isa_reason();
 std::string cpu_features();
 std::vector<std::string> built_isas();
+std::vector<std::string> supported_isas();
 std::string numerics_class(const std::string &tier);
 void release_workspace();
 size_t workspace_bytes();

@@ -46,6 +46,7 @@ __all__ = [
     "biased_grouped_topk",
     "biased_topk",
     "built_isas",
+    "supported_isas",
     "convert_weight_packed",
     "convert_weight_packed_scale_zp",
     "cpu_features",
@@ -63,7 +64,7 @@ __all__ = [
 
 def isa() -> str:
     """Name of the ISA tier the ops run on: one of cpumoe.built_isas(), e.g. 'scalar', 'avx2',
-    'avx512', 'avx512bf16' or 'amx'."""
+    'avx2vnni', 'avx512', 'avx512bf16' or 'amx'."""
     return _C.active_isa()
 
 
@@ -73,8 +74,9 @@ def best_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Caps the active tier at ``name`` (for tests and bug reports); a tier above
-    :func:`best_isa` falls back to the best one. Same effect as ``CPUMOE_ISA``."""
+    """Caps the active tier at ``name`` (for tests and bug reports); a tier this CPU cannot
+    run falls back to its nearest ancestor it can (the tiers form a tree: avx2vnni and avx512
+    both build on avx2; docs/KERNELS.md). Same effect as ``CPUMOE_ISA``."""
     _C.set_isa(name)
 
 
@@ -89,8 +91,14 @@ def cpu_features() -> list:
 
 
 def built_isas() -> list:
-    """Tiers compiled into this build, worst first."""
+    """Tiers compiled into this build, worst first (rank order: the best tier a CPU
+    supports is the last of these it can run)."""
     return list(_C.built_isas())
+
+
+def supported_isas() -> list:
+    """The built tiers this CPU can run, worst first."""
+    return list(_C.supported_isas())
 
 
 def numerics_class(tier: str) -> str:

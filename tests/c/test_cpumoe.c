@@ -1612,6 +1612,25 @@ static int has_feature(const char *features, const char *name) {
   return 0;
 }
 
+/* The tier tree of cpumoe/tiers.h: each tier's parent, and the tiers in rank order. */
+static cpumoe_isa tier_parent(cpumoe_isa isa) {
+  static const char *const parents[CPUMOE_ISA_COUNT] = {
+#define PARENT_NAME(ENUM, name, id, parent, ...) [id] = #parent,
+      CPUMOE_FOR_EACH_TIER(PARENT_NAME)
+#undef PARENT_NAME
+  };
+  return cpumoe_isa_from_name(parents[isa]);
+}
+static const cpumoe_isa g_tier_rank[CPUMOE_ISA_COUNT] = {
+#define RANK_ID(ENUM, ...) CPUMOE_ISA_##ENUM,
+    CPUMOE_FOR_EACH_TIER(RANK_ID)
+#undef RANK_ID
+};
+
+static int tier_supported(cpumoe_isa isa) {
+  return g_emulating_build || cpumoe_isa_native(isa);
+}
+
 static void test_isa(void) {
   const cpumoe_isa best = cpumoe_best_supported_isa();
   CHECK(best >= CPUMOE_ISA_SCALAR && best < CPUMOE_ISA_COUNT, "best tier %d", (int)best);
@@ -1645,29 +1664,40 @@ static void test_isa(void) {
           cpumoe_isa_native(CPUMOE_ISA_AVX2), features);
     CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX512) == avx512, "avx512 native %d, features \"%s\"",
           cpumoe_isa_native(CPUMOE_ISA_AVX512), features);
+    const int avx2vnni = avx2 && has_feature(features, "avx-vnni");
+    CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX2VNNI) == avx2vnni, "avx2vnni native %d, features \"%s\"",
+          cpumoe_isa_native(CPUMOE_ISA_AVX2VNNI), features);
   }
   CHECK(!cpumoe_isa_native(CPUMOE_ISA_COUNT) && !cpumoe_isa_native((cpumoe_isa)-1),
         "an unknown tier is native");
-  for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
-    const int supported = g_emulating_build || cpumoe_isa_native((cpumoe_isa)i);
-    CHECK(supported == (i <= (int)best), "tier %d: best supported %d, native %d", i, (int)best,
-          cpumoe_isa_native((cpumoe_isa)i));
+  /* a tier runs only where its parent runs; the best is the last supported one in rank
+   * order (the tiers form a tree: avx2vnni and avx512 both build on avx2) */
+  cpumoe_isa last_supported = CPUMOE_ISA_SCALAR;
+  for (int r = 0; r < CPUMOE_ISA_COUNT; r++) {
+    const cpumoe_isa isa = g_tier_rank[r];
+    CHECK(!cpumoe_isa_native(isa) || cpumoe_isa_native(tier_parent(isa)),
+          "tier %d native without its parent %d", (int)isa, (int)tier_parent(isa));
+    if (tier_supported(isa)) last_supported = isa;
   }
+  CHECK(best == last_supported, "best supported %d, expected %d (the last in rank order)",
+        (int)best, (int)last_supported);
 
   for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
     CHECK(cpumoe_set_isa_cap((cpumoe_isa)i) == CPUMOE_OK, "cap %d refused", i);
-    const cpumoe_isa want = (cpumoe_isa)i < best ? (cpumoe_isa)i : best;
+    cpumoe_isa want = (cpumoe_isa)i; /* the cap, or its nearest supported ancestor */
+    while (!tier_supported(want)) want = tier_parent(want);
     CHECK(cpumoe_active_isa() == want, "cap %d: active %d, expected %d", i,
           (int)cpumoe_active_isa(), (int)want);
     const char *reason = cpumoe_isa_reason();
     CHECK(reason && strncmp(reason, cpumoe_isa_name(want), strlen(cpumoe_isa_name(want))) == 0,
           "cap %d: reason \"%s\" does not start with the active tier", i, reason ? reason : "");
   }
+  const cpumoe_isa capped = cpumoe_active_isa();
   char last_id[16]; /* the message names the valid range 0..count - 1 */
   snprintf(last_id, sizeof last_id, "..%d", CPUMOE_ISA_COUNT - 1);
   CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, last_id);
   CHECK_ERROR("cap -1", cpumoe_set_isa_cap((cpumoe_isa)-1), CPUMOE_EINVAL, "-1");
-  CHECK(cpumoe_active_isa() == best, "a refused cap changed the active tier");
+  CHECK(cpumoe_active_isa() == capped, "a refused cap changed the active tier");
   use_tier(g_home);
 }
 
@@ -1747,10 +1777,12 @@ int main(int argc, char **argv) {
 
   /* the tiers under test: see the header */
   int tested = 0;
-  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)cpumoe_best_supported_isa(); isa++) {
-    g_tested[isa] = !g_emulating_build || (isa != CPUMOE_ISA_SCALAR &&
-                                           (emulate_all || !cpumoe_isa_native((cpumoe_isa)isa)));
-    if (g_tested[isa]) g_home = (cpumoe_isa)isa, tested++;
+  for (int r = 0; r < CPUMOE_ISA_COUNT; r++) { /* rank order: the home is the best tested */
+    const cpumoe_isa isa = g_tier_rank[r];
+    g_tested[isa] = tier_supported(isa) &&
+                    (!g_emulating_build ||
+                     (isa != CPUMOE_ISA_SCALAR && (emulate_all || !cpumoe_isa_native(isa))));
+    if (g_tested[isa]) g_home = isa, tested++;
   }
   if (!tested) {
     printf("no tier to emulate: this CPU runs every tier natively (--emulate-all emulates them)\n");

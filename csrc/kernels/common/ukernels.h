@@ -378,6 +378,15 @@ void cm_u8s8_gemm_decode_mrx32__avx2(size_t, size_t, const uint8_t *, size_t, co
 void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t, const uint8_t *,
                                     size_t, const int32_t *, float *, int);
 
+/* avx2vnni: vpdpbusd on ymm (schemes/int8, schemes/int4, probe) */
+void cm_u8s8_gemm_s32acc_mrx32__avx2vnni(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                         int32_t *, int, cm_prefetch);
+void cm_u8s8_gemm_decode_mrx32__avx2vnni(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                         int32_t *, int, cm_prefetch);
+void cm_int4_gemm_decode_1x32__avx2vnni(size_t, const cm_int4_tile *, size_t, size_t,
+                                        const uint8_t *, size_t, const int32_t *, float *, int);
+double cm_probe_int8_loop__avx2vnni(int64_t);
+
 /* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
 void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,
                                           float *, int, cm_prefetch);

@@ -23,6 +23,7 @@
 /* Rows of each tier's GEMM register tile (the register budget: common/tile-<tier>.h). */
 #define CM_TILE_MR_SCALAR 4
 #define CM_TILE_MR_AVX2 4
+#define CM_TILE_MR_AVX2VNNI 6
 #define CM_TILE_MR_AVX512 12
 #define CM_TILE_MR_AMX 32
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
@@ -154,6 +155,22 @@ static void cm_config_init__avx2(cm_tier_config *c) {
         ->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
         ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+  }
+}
+
+/* AVX-VNNI (AVX2 CPUs with the VEX vpdpbusd): INT8 and INT4 sum u8 x s8 products straight
+ * into int32 lanes, one instruction per 4 products where avx2 needs a widening multiply and
+ * an add per 2; the same exact integers, so avx2's bits. Everything else is avx2's. */
+static void cm_config_init__avx2vnni(cm_tier_config *c) {
+  c->probes.int8 = cm_probe_int8_loop__avx2vnni;
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    c->gemm[CM_INT8][act].mr = c->gemm[CM_INT4][act].mr = CM_TILE_MR_AVX2VNNI;
+    cm_int8_kernels *int8 = &c->gemm[CM_INT8][act].kernels.int8;
+    int8->gemm = cm_u8s8_gemm_s32acc_mrx32__avx2vnni;
+    int8->gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2vnni;
+    cm_int4_kernels *int4 = &c->gemm[CM_INT4][act].kernels.int4;
+    int4->gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__avx2vnni;
+    int4->gemm_decode = cm_int4_gemm_decode_1x32__avx2vnni;
   }
 }
 
