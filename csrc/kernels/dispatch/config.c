@@ -109,7 +109,8 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 
 /* A tier that has its own version of every kernel kind (its tile rows still to be set). The
  * unquantized, INT8 and INT4 sets have no decode kernel of their own, so a parent's decode
- * split for them is dropped with the parent's kernels. */
+ * split for them is dropped with the parent's kernels; FP8's decode kernel takes its
+ * CM_DECODE_MAX_ROWS again. */
 #define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                            \
   do {                                                                               \
     (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                 \
@@ -120,6 +121,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
       (c)->gemm[CM_UNQUANT][act].decode_max_rows = 0;                                \
       (c)->gemm[CM_INT8][act].decode_max_rows = 0;                                   \
       (c)->gemm[CM_INT4][act].decode_max_rows = 0;                                   \
+      (c)->gemm[CM_FP8][act].decode_max_rows = CM_DECODE_MAX_ROWS;                   \
       (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
       (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
       (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
@@ -137,6 +139,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
 #define CM_AVX2_INT4_DECODE_ROWS 1
+#define CM_AVX2_FP8_DECODE_ROWS 2 /* 4 accumulators a row beside the decoded weights */
 /* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
 static cm_gemm_config *with_decode(cm_gemm_config *g, size_t max_rows, cm_panel_format format) {
   g->decode_max_rows = max_rows;
@@ -155,6 +158,8 @@ static void cm_config_init__avx2(cm_tier_config *c) {
         ->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
         ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+    with_decode(&c->gemm[CM_FP8][act], CM_AVX2_FP8_DECODE_ROWS, CM_PANEL_F32)
+        ->kernels.fp8.gemm_decode = cm_fp8_gemm_decode_mrx32__avx2;
   }
 }
 
