@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "runtime.h"
@@ -424,17 +425,14 @@ const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8
   const Flag flags[] = {{use_int8_w8a8, "use_int8_w8a8", "int8 w8a8"},
                         {use_fp8_w8a16, "use_fp8_w8a16", "fp8 w8a16"},
                         {use_mxfp4, "use_mxfp4", "mxfp4"}};
-  std::string set_flags;
-  const Flag *set = nullptr;
-  int set_count = 0;
-  for (const Flag &flag : flags) {
-    if (!flag.value) continue;
-    set_flags += (set_count++ > 0 ? " and " : "") + std::string(flag.name) + "=True";
-    set = &flag;
-  }
-  TORCH_CHECK(set_count <= 1, op,
-              ": at most one of use_int8_w8a8, use_fp8_w8a16 and use_mxfp4 may be True, got ",
-              set_flags);
+  std::vector<const Flag *> set;
+  for (const Flag &flag : flags)
+    if (flag.value) set.push_back(&flag);
+  std::string set_names;  // "use_int8_w8a8", "use_int8_w8a8 and use_mxfp4", "a, b and c"
+  for (size_t i = 0; i < set.size(); ++i)
+    set_names += (i == 0 ? "" : i + 1 == set.size() ? " and " : ", ") + std::string(set[i]->name);
+  TORCH_CHECK(set.size() <= 1, op, ": ", set_names, " cannot ", set.size() == 2 ? "both" : "all",
+              " be True");
   const auto row =
       std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](const SchemeTraits &s) {
         return s.shared_expert.supported && s.shared_expert.use_int8_w8a8 == use_int8_w8a8 &&
@@ -442,7 +440,7 @@ const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8
                s.shared_expert.use_mxfp4 == use_mxfp4;
       });
   // only a set flag can miss: the bf16/fp16 row (no flag) always exists
-  TORCH_CHECK(row != std::end(kSchemes), op, ": ", set_flags, " selects the ", set->scheme,
+  TORCH_CHECK(row != std::end(kSchemes), op, ": ", set_names, "=True selects the ", set[0]->scheme,
               " weight scheme, which is not available in this build of cpumoe");
   return *row;
 }
