@@ -8,8 +8,9 @@ same overload again, which then runs cpumoe's fake kernel; so ``torch.compile`` 
 forwarded ops as it traces cpumoe's.
 
 An op name the namespace already has (the real library registered it) is left alone, with
-all its overloads, and named in one warning. Registrations made here are remembered, so a
-second registration of the same namespace (a reloaded module) neither warns nor redefines.
+all its overloads, and named in one warning. What was registered and what was named are
+remembered, so a second registration of the same namespace (a reloaded module) neither
+redefines nor warns again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 _LIBRARIES: Dict[str, torch.library.Library] = {}  # namespace -> the fragment cpumoe owns
 _OURS: Set[str] = set()  # "namespace::name" of every op name defined through _LIBRARIES
+_WARNED: Set[str] = set()  # "namespace::name" of every op name a warning has named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +105,13 @@ def register(namespace: str, forwards: Iterable[Forward], module: str,
                                             lib=lib)
         _OURS.add(qualname)
         registered.append(name)
-    if left_alone:
+    news = [name for name in left_alone if f"{namespace}::{name}" not in _WARNED]
+    _WARNED.update(f"{namespace}::{name}" for name in news)
+    if news:
         warnings.warn(
-            f"{module}: torch.ops.{namespace} already has {', '.join(left_alone)} (registered "
+            f"{module}: torch.ops.{namespace} already has {', '.join(news)} (registered "
             f"by the library that owns the namespace); {module} left "
-            f"{'it' if len(left_alone) == 1 else 'them'} alone and forwards only the ops it "
+            f"{'it' if len(news) == 1 else 'them'} alone and forwards only the ops it "
             f"lacked to torch.ops.cpumoe",
             UserWarning, stacklevel=2)
     return Registration(namespace, tuple(registered), tuple(left_alone))
