@@ -294,6 +294,28 @@ def test_sglang_compile_and_fakes():
     """)
 
 
+@pytest.mark.parametrize("override", [True, False], ids=["overridable", "not-overridable"])
+def test_sglang_graph_runner_can_register_its_fakes(override):
+    """SGLang's CPU graph runner registers fakes for fused_experts_cpu, shared_expert_cpu and
+    the routing ops itself. That works after cpumoe.sglang on torch builds where a later
+    fake replaces ours; where torch refuses that (simulated), cpumoe leaves those default
+    overloads without a fake so that SGLang's registration still succeeds."""
+    run_child(f"""
+        import cpumoe._switch
+        cpumoe._switch.fakes_may_be_overridden = lambda: {override}
+        import cpumoe.sglang as s
+        meta = lambda op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta")
+        for name in s.FAKED_BY_SGLANG:
+            assert meta("sgl_kernel::" + name) == {override}, name
+        assert meta("sgl_kernel::fused_experts_cpu.no_bias")
+        assert meta("sgl_kernel::convert_weight_packed")
+        for name in sorted(s.FAKED_BY_SGLANG):  # as SGLang's register_fake_ops does it
+            torch.library.register_fake("sgl_kernel::" + name,
+                                        lambda input, *args, **kwargs: torch.empty_like(input),
+                                        allow_override={override})
+    """)
+
+
 def test_sglang_leaves_registered_ops_alone():
     """Ops torch.ops.sgl_kernel already has (here a dummy registered first, as SGLang's
     library would) stay as they are; one warning names them; the rest is registered."""
