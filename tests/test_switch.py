@@ -587,7 +587,7 @@ def test_vllm_library_is_loaded_first():
         assert torch._C._jit_get_schemas_for_operator("_C::rms_norm"), "vLLM's library not loaded"
         # the build loaded is the one vLLM picks for this CPU; only the AVX512-BF16 one has
         # the MoE ops, and then they are vLLM's
-        vllm_has_moe = v.vllm_kernel_file(cpumoe.cpu_features()) == "_C.abi3.so"
+        vllm_has_moe = cpumoe._switch.vllm_kernel_file(cpumoe.cpu_features()) == "_C.abi3.so"
         key = "left_alone" if vllm_has_moe else "registered"
         assert "fused_experts_cpu" in getattr(v.registration, key), v.registration
         assert all(not str(w.message).startswith("cpumoe.vllm: vLLM is installed but") or

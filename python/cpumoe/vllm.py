@@ -41,7 +41,7 @@ import torch
 
 import cpumoe
 
-from ._switch import Forward, defined, describe_error, register
+from ._switch import Forward, defined, describe_error, register, vllm_kernel_file
 
 NAMESPACE = "_C"
 
@@ -85,14 +85,6 @@ def forwards():
     return [Forward(SCHEMAS[name], target) for name, target in targets.items()]
 
 
-def vllm_kernel_file(features) -> str:
-    """The build of vLLM's kernel library vLLM loads on a CPU with ``features`` (cpumoe's
-    names, :func:`cpumoe.cpu_features`)."""
-    if "avx512f" in features:
-        return "_C.abi3.so" if "avx512bf16" in features else "_C_AVX512.abi3.so"
-    return "_C_AVX2.abi3.so"
-
-
 def _load_vllm_kernels() -> None:
     """Makes sure vLLM's kernel library, when vLLM is installed, is loaded before we look at
     ``torch.ops._C``."""
@@ -108,12 +100,16 @@ def _load_vllm_kernels() -> None:
         why = describe_error(e)
     if defined(NAMESPACE, VLLM_MARKER_OP):  # loaded before the import failed
         return
-    path = os.path.join(os.path.dirname(spec.origin), vllm_kernel_file(cpumoe.cpu_features()))
-    try:
-        torch.ops.load_library(path)
-        loaded = f"loaded {path} directly"
-    except Exception as e:  # noqa: BLE001 - it cannot load later either
-        loaded = f"loading {path} failed too ({describe_error(e)})"
+    filename = vllm_kernel_file(cpumoe.cpu_features())
+    if filename is None:
+        loaded = "no build of its kernel library runs on this CPU"
+    else:
+        path = os.path.join(os.path.dirname(spec.origin), filename)
+        try:
+            torch.ops.load_library(path)
+            loaded = f"loaded {path} directly"
+        except Exception as e:  # noqa: BLE001 - it cannot load later either
+            loaded = f"loading {path} failed too ({describe_error(e)})"
     warnings.warn(f"cpumoe.vllm: vLLM is installed but importing vllm._custom_ops failed "
                   f"({why}); {loaded}", UserWarning, stacklevel=3)
 
