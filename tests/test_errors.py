@@ -331,10 +331,10 @@ def test_int4_method_with_bf16_weights():
 
 
 def test_fp8_method_with_bf16_weights():
-    """moe_comp_method 2 (FP8 W8A16) is implemented (tests/test_fp8.py): it needs
-    block_size first, then rejects bf16 weights naming w1 and the scheme."""
-    with raises(r"missing block_size for fp8 w8a16"):
-        fused(moe_comp_method=2, w1_scale=torch.ones(E, 2 * N, 1), w2_scale=torch.ones(E, K, 1))
+    """moe_comp_method 2 (FP8 W8A16) is implemented (tests/test_fp8.py): it rejects bf16
+    weights naming w1 and the scheme, with per-tensor (no block_size) or block scales."""
+    with raises(r"w1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
+        fused(moe_comp_method=2, w1_scale=torch.ones(E), w2_scale=torch.ones(E))
     with raises(r"w1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
         fused(moe_comp_method=2, w1_scale=torch.ones(E, 1, 1), w2_scale=torch.ones(E, 1, 1),
               block_size=[128, 128])
@@ -488,11 +488,12 @@ def test_shared_int8_with_bf16_weights():
         shared(use_int8_w8a8=True)
 
 
-def test_shared_fp8_needs_block_size():
-    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size it is an
-    error naming block_size; with use_int8_w8a8=True as well, an error naming both."""
-    with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
-        shared(use_fp8_w8a16=True)
+def test_shared_fp8_without_block_size():
+    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size the scales
+    are per tensor, and bf16 weights are an error naming w1; with use_int8_w8a8=True as
+    well, an error naming both."""
+    with raises(r"shared_expert_cpu: w1 must be Float8_e4m3fn for use_fp8_w8a16=True"):
+        shared(use_fp8_w8a16=True, w1_scale=torch.ones(()), w2_scale=torch.ones(()))
     with raises(r"shared_expert_cpu: use_int8_w8a8 and use_fp8_w8a16 cannot both be True"):
         shared(use_fp8_w8a16=True, use_int8_w8a8=True, block_size=[128, 128])
 
@@ -818,6 +819,8 @@ CATALOGUE = [
     _f("w2_bias", "shape other than [E, K]", **dict(WITH_BIAS, w2_bias=torch.zeros(E, N))),
     _f("alpha", "without limit", alpha=1.702),
     _f("limit", "without alpha", limit=7.0),
+    _f("activation", "a name other than silu or gelu", activation="relu"),
+    _f("activation", "gelu with alpha and limit", activation="gelu", alpha=1.702, limit=7.0),
     _f("w1_scale", "given for moe_comp_method 0", w1_scale=torch.ones(E, 2 * N, 1)),
     _f("w2_scale", "given for moe_comp_method 0", w2_scale=torch.ones(E, K, 1)),
     _f("w1_zero", "given for moe_comp_method 0", w1_zero=torch.zeros(E, 2 * N, 1)),
@@ -838,7 +841,9 @@ CATALOGUE = [
     _f1("w2", "not packed", w2=torch.zeros(E, K, N, dtype=torch.int8)),
     Rejected("fused-int8", "K", "K or N above 65536", _big_k_int8),
     # -- fused_experts_cpu, moe_comp_method 2 (FP8 W8A16) --------------------------------
-    _f2("block_size", "missing", block_size=DROP),
+    _f2("w1_scale", "block scales without block_size (per-tensor scales [E] expected)",
+        block_size=DROP),
+    _f2("w1_scale", "missing, without block_size", block_size=DROP, w1_scale=DROP),
     _f2("block_size", "not 2 values", block_size=[32]),
     _f2("block_size", "a value < 1", block_size=[0, 32]),
     _f2("block_size", "odd block_k", block_size=[32, 33]),
@@ -895,7 +900,8 @@ CATALOGUE = [
     _s("w2_scale", "numel other than K (use_int8_w8a8)", 1, w2_scale=torch.ones(2 * K, 1)),
     _s("w1", "not int8 (use_int8_w8a8)", 1, w1=pack(torch.zeros(2 * N, K, dtype=BF16))),
     _s("block_size", "given (use_int8_w8a8)", 1, block_size=[32, 32]),
-    _s("block_size", "missing (use_fp8_w8a16)", 2, block_size=DROP),
+    _s("w1_scale", "block scales without block_size (use_fp8_w8a16: per-tensor scale [] "
+       "expected)", 2, block_size=DROP),
     _s("w1_scale", "missing (use_fp8_w8a16)", 2, w1_scale=DROP),
     _s("w2_scale", "shape other than [ceil(K / block_n), ceil(N / block_k)] (use_fp8_w8a16)",
        2, w2_scale=torch.ones(2, 2)),

@@ -1,7 +1,7 @@
-// torch.ops.cpumoe.fused_experts_cpu, its overloads (SGLang's schemas and vLLM's out-variant,
-// docs/SGLANG.md). The scheme's row (schemes.h) checks and describes the weights and their
-// scales; this file checks what every scheme shares (hidden_states, routing, biases,
-// activation) in the order docs/ERRORS.md gives, and runs the problem.
+// torch.ops.cpumoe.fused_experts_cpu, its overloads (SGLang's three schemas and vLLM's
+// out-variant, docs/SGLANG.md). The scheme's row (schemes.h) checks and describes the weights
+// and their scales; this file checks what every scheme shares (hidden_states, routing,
+// biases, activation) in the order docs/ERRORS.md gives, and runs the problem.
 #include <ATen/MemoryOverlap.h>
 
 #include <tuple>
@@ -63,16 +63,39 @@ void check_biases(const std::optional<at::Tensor> &w1_bias,
   }
 }
 
+// The activation: alpha and limit select the clamped swiglu; otherwise `activation` names
+// the function applied to the gate half (None means "silu").
+cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
+                                   std::optional<double> alpha, std::optional<double> limit,
+                                   const char *op) {
+  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
+              ": alpha and limit must be given together (they select the clamped swiglu "
+              "activation); got only ",
+              alpha.has_value() ? "alpha" : "limit");
+  const std::string name = activation.has_value() ? std::string(*activation) : "silu";
+  TORCH_CHECK(name == "silu" || name == "gelu", op, ": Unsupported activation '", name,
+              "' (expected 'silu' or 'gelu')");
+  if (alpha.has_value()) {
+    TORCH_CHECK(name == "silu", op,
+                ": alpha and limit select the clamped swiglu, which replaces the activation; "
+                "activation must be None or 'silu' with them, got '",
+                name, "'");
+    return CPUMOE_ACT_SWIGLU_CLAMP;
+  }
+  return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
+}
+
 }  // namespace
 
-at::Tensor fused_experts_cpu_bias(
+at::Tensor fused_experts_cpu_activation(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
     int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
     const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
     const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
-    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni,
+    std::optional<c10::string_view> activation) {
   const char *op = "fused_experts_cpu";
   const SchemeTraits &scheme = scheme_for_method(moe_comp_method, op);
   check_dense(hidden_states, "hidden_states", op, 2);
@@ -104,14 +127,11 @@ at::Tensor fused_experts_cpu_bias(
 
   const Routing routing = check_routing(topk_weights, topk_ids, problem.M, op);
   check_biases(w1_bias, w2_bias, problem.E, problem.N, problem.K, op);
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
+  const cpumoe_activation act = parse_activation(activation, alpha, limit, op);
 
   at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   problem.topk = routing.ids.size(1);
-  problem.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
+  problem.activation = act;
   problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
   problem.x = hidden_states.data_ptr();
@@ -124,6 +144,19 @@ at::Tensor fused_experts_cpu_bias(
   problem.out = out.data_ptr();
   run_problem(problem, op);
   return out;
+}
+
+at::Tensor fused_experts_cpu_bias(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+  return fused_experts_cpu_activation(
+      hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,
+      w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni, std::nullopt);
 }
 
 at::Tensor fused_experts_cpu(const at::Tensor &hidden_states, const at::Tensor &w1,

@@ -17,6 +17,11 @@ TORCH_LIBRARY(cpumoe, m) {
       "Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
       "Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, "
       "float? alpha, float? limit, bool is_vnni) -> Tensor");
+  m.def(
+      "fused_experts_cpu.activation(Tensor hidden_states, Tensor w1, Tensor w2, Tensor "
+      "topk_weights, Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? "
+      "w2_scale, Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? "
+      "w2_bias, float? alpha, float? limit, bool is_vnni, str? activation=None) -> Tensor");
   // vLLM's out-variant (its CPU build's _C::fused_experts_cpu)
   m.def(
       "fused_experts_cpu.out(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2, Tensor "
@@ -62,6 +67,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   namespace ops = cpumoe::bindings;
   m.impl("fused_experts_cpu", &ops::fused_experts_cpu);
   m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
+  m.impl("fused_experts_cpu.activation", &ops::fused_experts_cpu_activation);
   m.impl("fused_experts_cpu.out", &ops::fused_experts_cpu_out);
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
   m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
@@ -97,6 +103,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_fma", &rt::probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
   m.def("probe_bf16", &rt::probe_bf16,
         "bf16 ops done by `iterations` of the bf16 peak loop per thread (AMX on amx)");
+  m.def("activation_values", &rt::activation_values, pybind11::arg("name"), pybind11::arg("gate"),
+        pybind11::arg("up"), pybind11::arg("alpha") = 0.0, pybind11::arg("limit") = 0.0,
+        "the active tier's activation kernel on fp32 gate/up: silu, gelu or swiglu (tests)");
   m.def("runner_threads", &rt::runner_threads,
         "distinct OS threads that torch's runner gives `workers` workers");
 }

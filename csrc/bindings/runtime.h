@@ -46,5 +46,7 @@ double probe_int8(int64_t iterations);
 double probe_fma(int64_t iterations);
 double probe_bf16(int64_t iterations);
 int64_t runner_threads(int64_t workers);
+at::Tensor activation_values(const std::string &name, const at::Tensor &gate, const at::Tensor &up,
+                             double alpha, double limit);
 
 }  // namespace cpumoe::bindings

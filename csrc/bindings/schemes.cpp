@@ -143,11 +143,12 @@ void describe_channel_scales(const SchemeTraits &scheme, const WeightOperands &o
       channel_scale(scheme, operands.w2_scale, "w2_scale", operands.op, experts * problem.K);
 }
 
-// block_size = [block_n, block_k]: required, two positive ints, block_k even.
-std::pair<int64_t, int64_t> parse_block_size(const SchemeTraits &scheme,
-                                             at::OptionalIntArrayRef block_size, const char *op) {
-  TORCH_CHECK(block_size.has_value(), op, ": missing block_size for ", scheme.name,
-              " (e.g. [128, 128], DeepSeek's weight_block_size)");
+// block_size = [block_n, block_k], two positive ints, block_k even; None means per-tensor
+// scales: one block as large as any matrix.
+constexpr int64_t kPerTensorBlock = int64_t{1} << 62;  // even, beyond any K, N <= 2^30
+
+std::pair<int64_t, int64_t> parse_block_size(at::OptionalIntArrayRef block_size, const char *op) {
+  if (!block_size.has_value()) return {kPerTensorBlock, kPerTensorBlock};
   TORCH_CHECK(block_size->size() == 2, op,
               ": expect block_size to have 2 values [block_n, block_k], got ", block_size->size());
   const int64_t bn = (*block_size)[0], bk = (*block_size)[1];
@@ -177,8 +178,35 @@ const float *block_scale(const SchemeTraits &scheme, const std::optional<at::Ten
   return scale->data_ptr<float>();
 }
 
+// Per-tensor scales (block_size None): one fp32 scale per matrix, shaped `lead` ([E] for
+// an expert bank, [] for the shared expert) as SGLang's callers pass them, or with two
+// trailing ones ([E, 1, 1], the block form of one block).
+const float *tensor_scale(const SchemeTraits &scheme, const std::optional<at::Tensor> &scale,
+                          const char *name, const char *op, const std::vector<int64_t> &lead) {
+  const c10::IntArrayRef expected(lead);
+  TORCH_CHECK(scale.has_value(), op, ": missing ", name, " for ", scheme.name,
+              " (block_size is None: float32 per-tensor scales of shape ", expected, ")");
+  check_cpu_tensor(*scale, name, op);
+  TORCH_CHECK(scale->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              dtype_name(scale->scalar_type()));
+  std::vector<int64_t> blocked = lead;
+  blocked.insert(blocked.end(), {1, 1});
+  TORCH_CHECK(scale->sizes() == expected || scale->sizes() == c10::IntArrayRef(blocked), op, ": ",
+              name, " must have shape ", expected,
+              " (one scale per matrix: block_size is None, "
+              "so the scales are per tensor; pass block_size for block scales), got ",
+              scale->sizes());
+  TORCH_CHECK(scale->is_contiguous(), op, ": ", name, " must be contiguous");
+  return scale->data_ptr<float>();
+}
+
 void describe_block_scales(const SchemeTraits &scheme, const WeightOperands &operands,
                            const std::vector<int64_t> &lead, cpumoe_moe_problem &problem) {
+  if (problem.block_n == kPerTensorBlock) {
+    problem.w1_scale = tensor_scale(scheme, operands.w1_scale, "w1_scale", operands.op, lead);
+    problem.w2_scale = tensor_scale(scheme, operands.w2_scale, "w2_scale", operands.op, lead);
+    return;
+  }
   auto blocks = [&](int64_t rows, int64_t cols) {
     std::vector<int64_t> shape = lead;
     shape.push_back(ceil_div(rows, problem.block_n));
@@ -463,7 +491,7 @@ std::pair<int64_t, int64_t> check_scale_args(const SchemeTraits &scheme, const c
   TORCH_CHECK(scheme.takes_block_size || !block_size.has_value(), op,
               ": block_size must be None for ", label);
   if (!scheme.takes_block_size) return {0, 0};
-  return parse_block_size(scheme, block_size, op);
+  return parse_block_size(block_size, op);
 }
 
 DescribedWeights describe_dense_weights(const SchemeTraits &scheme, const WeightOperands &operands,

@@ -20,7 +20,8 @@ namespace cpumoe::bindings {
 enum class ScaleKind {
   kNone,            // bf16/fp16 weights: w*_scale must be None
   kPerChannel,      // fp32, one scale per output channel
-  kBlock2D,         // fp32 [..., ceil(OC / block_n), ceil(IC / block_k)], with block_size
+  kBlock2D,         // fp32 [..., ceil(OC / block_n), ceil(IC / block_k)], with block_size;
+                    // without it, one scale per matrix (per-tensor: [...])
   kGroupWithZeros,  // fp32 scales and int8 zero points (w*_zero) per group of input features
 };
 

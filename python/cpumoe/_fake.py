@@ -38,6 +38,16 @@ def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inpl
     return torch.empty_like(hidden_states)
 
 
+@torch.library.register_fake("cpumoe::fused_experts_cpu.activation")
+def _fused_experts_activation_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                   moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                   block_size, w1_bias, w2_bias, alpha, limit, is_vnni,
+                                   activation=None):
+    return _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                    moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                    block_size, w1_bias, w2_bias, alpha, limit, is_vnni)
+
+
 @torch.library.register_fake("cpumoe::fused_experts_cpu.out")
 def _fused_experts_out_fake(out, hidden_states, w1, w2, topk_weights, topk_ids, moe_comp_method,
                             w1_scale, w2_scale, w1_zero, w2_zero, a1_scale, block_size, w1_bias,

@@ -79,6 +79,7 @@ def fused_experts(
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
     is_vnni: bool = True,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """Mixture-of-Experts layer: for every token m and slot j with expert
     e = topk_ids[m, j] (``-1`` skips the slot),
@@ -94,11 +95,15 @@ def fused_experts(
         inplace: write the result into ``hidden_states`` and return it.
         moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
         w1_scale, w2_scale: INT8: fp32 per output channel; FP8: fp32 block scales with
-            ``block_size``; INT4: from :func:`convert_weight_packed_scale_zp`.
+            ``block_size``, or per-tensor scales ``[E]`` with ``block_size=None``; INT4:
+            from :func:`convert_weight_packed_scale_zp`.
         w1_zero, w2_zero: INT4 only: the zero points from
             :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
+        activation: without ``alpha``/``limit``, the function of the gate half: ``"silu"``
+            (None means this) or ``"gelu"`` (the erf form, ``x * Phi(x)``); any other name
+            is a RuntimeError.
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
             False packs them on every call (slow, for convenience).
 
@@ -111,7 +116,11 @@ def fused_experts(
     traced_inplace = inplace and _tracing()
     if traced_inplace:
         inplace = False  # see _tracing()
-    if w1_bias is None and w2_bias is None and alpha is None and limit is None:
+    if activation is not None:
+        out = op.activation(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                            int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
+                            w1_bias, w2_bias, alpha, limit, is_vnni, activation)
+    elif w1_bias is None and w2_bias is None and alpha is None and limit is None:
         out = op.default(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                          int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
                          is_vnni)
@@ -184,8 +193,10 @@ def shared_expert(
         w1: ``[2N, K]``; w2: ``[K, N]`` (packed unless ``is_vnni=False``).
         fused_experts_out: ``[M, K]`` routed output to fold in, with
             ``routed_scaling_factor`` (both or neither).
-        use_int8_w8a8, use_fp8_w8a16, use_mxfp4: the weight scheme (at most one); MXFP4
-            needs a build with that scheme.
+        use_int8_w8a8, use_fp8_w8a16, use_mxfp4: the weight scheme (at most one), with
+            ``w1_scale`` and ``w2_scale``: INT8 per output channel; FP8 block scales with
+            ``block_size``, or one scale per matrix (shape ``[]``) with ``block_size=None``;
+            MXFP4 needs a build with that scheme.
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither; ``w1`` rows then
             interleave gate and up), as in :func:`fused_experts`.
     """

@@ -6,7 +6,7 @@
  *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16, INT4 W4A8
  *                  against a double-precision reference (tolerance relative to the output's
  *                  scale):
- *                  bias, silu and clamped swiglu, residual, int32/int64 topk_ids with -1
+ *                  bias, silu, gelu and clamped swiglu, residual, int32/int64 topk_ids with -1
  *                  slots, f32/f64/bf16/f16 topk weights, NULL ids/weights, out aliasing x,
  *                  M = 0, 1 and more than one 1024-token chunk, K and N multiples of 32 but
  *                  not of 64; on every ISA tier the CPU runs (bit-identical to each other)
@@ -545,6 +545,7 @@ enum {
   NO_WEIGHTS = 16, /* topk_weights NULL: every weight is 1 */
   OUT_IS_X = 32,   /* out (and residual, if any) alias x */
   ONE_EXPERT = 64, /* every slot routed to expert E - 1 */
+  GELU = 128,      /* gelu(gate) * up (erf form) instead of silu(gate) * up */
 };
 
 typedef struct moe_case {
@@ -578,11 +579,14 @@ static const moe_case g_cases[] = {
   {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
    BIAS | RESIDUAL | OUT_IS_X},
   {"fp16 decode 2 rows", UNQUANT, F16,   2,  96,  64, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
+  {"bf16 gelu",        UNQUANT, BF16,   21,  96,  64, 4, 2, I64, F32,  0.1,  0,  0,
+   BIAS | GELU | RESIDUAL},
   {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
   {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
   {"int8 decode 2 rows", INT8,  F16,     2,  64,  96, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,
    BIAS | SWIGLU | RESIDUAL},
+  {"int8 gelu",       INT8,    BF16,    3,  64,  32, 2, 2, I32, F32,  0.0,  0,  0,  GELU},
   {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,
    BIAS | RESIDUAL},
   {"int8 in place",    INT8,    F16,     6,  64,  64, 2, 2, I32, F64,  0.0,  0,  0,
@@ -590,6 +594,7 @@ static const moe_case g_cases[] = {
   {"fp8 decode",       FP8,     BF16,    3,  96,  96, 3, 2, I32, F32,  0.0,  32, 64, BIAS},
   {"fp8 odd blocks",   FP8,     F16,    20, 160,  64, 4, 2, I64, F16,  0.2,  48, 6,
    SWIGLU | RESIDUAL},
+  {"fp8 gelu",        FP8,     F16,    30,  64,  64, 3, 2, I32, F32,  0.0,  32, 32, BIAS | GELU},
   {"fp8 2 chunks",     FP8,     BF16, 1100,  32,  32, 2, 1, I64, F64,  0.1,  16, 16,
    BIAS | RESIDUAL},
   {"fp8 huge blocks",  FP8,     BF16,    7,  64,  96, 2, 2, I32, F32,  0.0,  BIG_BLOCK, BIG_BLOCK,
@@ -600,6 +605,7 @@ static const moe_case g_cases[] = {
   {"int4 tails",       INT4,    F16,    23,  96, 160, 4, 3, I64, BF16, 0.2,  96, 4,
    BIAS | SWIGLU | RESIDUAL},
   {"int4 group 256",   INT4,    BF16,    9, 256,  64, 2, 2, I32, F16,  0.0,  256, 64, RESIDUAL},
+  {"int4 gelu",       INT4,    F16,     1,  64,  64, 2, 2, I32, F32,  0.0,  32, 64, GELU},
   {"int4 2 chunks",    INT4,    BF16, 1100,  32,  32, 2, 1, I32, F32,  0.1,  32, 32,  BIAS},
 };
 /* clang-format on */
@@ -790,6 +796,8 @@ static void reference(moe_data *d) {
           const double g = fmin(h[2 * n], p->limit);
           const double u = fmax(fmin(h[2 * n + 1], p->limit), -p->limit);
           a[n] = g * sigmoid(p->alpha * g) * (u + 1.0);
+        } else if (c->flags & GELU) {
+          a[n] = h[n] * 0.5 * erfc(-h[n] * 0.70710678118654752440) * h[N + n];
         } else {
           a[n] = h[n] * sigmoid(h[n]) * h[N + n];
         }
@@ -857,7 +865,9 @@ static void make_data(const moe_case *c, moe_data *d) {
       .topk = c->topk,
       .scheme = c->scheme,
       .act_dtype = c->act,
-      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL,
+      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP
+                    : (c->flags & GELU) ? CPUMOE_ACT_GELU_MUL
+                                        : CPUMOE_ACT_SILU_MUL,
       .alpha = 1.702f,
       .limit = 0.5f, /* small enough that the clamps act on these magnitudes */
       .x = d->x,

@@ -165,8 +165,8 @@ typedef void (*cm_int4_unpack_fn)(const cm_int4_tile *w, size_t kb0, size_t nb, 
 typedef void (*cm_int4_dequant_fn)(size_t mr, const int32_t *acc, const uint8_t *comp,
                                    const float *scale, float *c, int accumulate);
 
-/* out[i] = silu(gate[i]) * up[i] */
-typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
+/* out[i] = act(gate[i]) * up[i], act = silu or erf-gelu (see common/numeric.h) */
+typedef void (*cm_gated_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
 typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha, float limit,
                              float *out);
@@ -262,7 +262,7 @@ typedef struct cm_gemm_config {
 } cm_gemm_config;
 
 typedef struct cm_elementwise_kernels {
-  cm_silu_mul_fn silu_mul;
+  cm_gated_fn silu_mul, gelu_mul;
   cm_swiglu_fn swiglu;
   cm_widen_fn widen_bf16, widen_f16;
   cm_narrow_fn narrow_bf16, narrow_f16;
@@ -310,6 +310,7 @@ const cm_tier_config *cm_active_config(void);
  * compiled once per tier. */
 #define CM_DECLARE_ELEMENTWISE(tier)                                                       \
   void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                 \
+  void cm_gelu_mul__##tier(size_t, const float *, const float *, float *);                 \
   void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);     \
   void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                           \
   void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                            \

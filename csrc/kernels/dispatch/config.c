@@ -32,6 +32,7 @@
 #define CM_ELEMENTWISE_KERNELS(tier)                     \
   ((cm_elementwise_kernels){                             \
       .silu_mul = cm_silu_mul__##tier,                   \
+      .gelu_mul = cm_gelu_mul__##tier,                   \
       .swiglu = cm_swiglu__##tier,                       \
       .widen_bf16 = cm_widen_bf16__##tier,               \
       .widen_f16 = cm_widen_f16__##tier,                 \
