@@ -86,14 +86,14 @@ def test_sglang_schemas_and_registration():
             op = getattr(getattr(torch.ops.sgl_kernel, name), overload or "default")
             assert str(op._schema) == str(torch._C.parse_schema("sgl_kernel::" + forward.schema))
             assert forward.schema == s.SCHEMAS[forward.overload]
-            if isinstance(forward.target, torch._ops.OpOverload):
-                assert arguments(op._schema) == arguments(forward.target._schema), forward
+            assert isinstance(forward.target, torch._ops.OpOverload), forward
+            assert arguments(op._schema) == arguments(forward.target._schema), forward
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
         current = torch.ops.sgl_kernel.fused_experts_cpu.default._schema
-        bias = torch.ops.cpumoe.fused_experts_cpu.bias._schema
-        assert arguments(current)[:-1] == arguments(bias)  # plus `str? activation`
         assert arguments(current)[-1] == ("activation", "Optional[str]")
+        assert current.arguments[-1].default_value is None and \
+            current.arguments[-1].has_default_value()
     """)
 
 
@@ -140,8 +140,8 @@ def test_sglang_fused_experts_every_scheme():
 
 
 def test_sglang_activation():
-    """The trailing activation: forwarded to cpumoe's activation overload where the build
-    has one; without it, anything but None/"silu" is refused by name."""
+    """The trailing activation reaches cpumoe's activation overload: "silu" and "gelu" give
+    its bits, an unknown name its error."""
     run_child("""
         import cpumoe.sglang
         E, N, K, M = 4, 32, 64, 5
@@ -151,19 +151,16 @@ def test_sglang_activation():
         tw, ti = make_routing(M, E, 2)
         args = (x, w1, w2, tw, ti, False, 0, None, None, None, None, None, None, None, None,
                 None, True)
-        cm = torch.ops.cpumoe.fused_experts_cpu
-        if "activation" in cm.overloads():
-            for act in ("silu", "gelu"):
-                assert same(torch.ops.sgl_kernel.fused_experts_cpu(*args, act),
-                            cm.activation(*args, act)), act
+        sg, cm = torch.ops.sgl_kernel.fused_experts_cpu, torch.ops.cpumoe.fused_experts_cpu
+        for act in ("silu", "gelu"):
+            assert same(sg(*args, act), cm.activation(*args, act)), act
+        assert not same(sg(*args, "gelu"), sg(*args, "silu"))
+        try:
+            sg(*args, "relu")
+        except RuntimeError as e:
+            assert str(e).startswith("fused_experts_cpu: Unsupported activation 'relu'"), str(e)
         else:
-            try:
-                torch.ops.sgl_kernel.fused_experts_cpu(*args, "gelu")
-            except RuntimeError as e:
-                assert str(e).startswith("fused_experts_cpu: activation 'gelu' is not "
-                                         "supported by this build of cpumoe"), str(e)
-            else:
-                raise AssertionError("activation='gelu' was accepted")
+            raise AssertionError("activation='relu' was accepted")
     """)
 
 

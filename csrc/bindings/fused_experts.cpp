@@ -63,28 +63,6 @@ void check_biases(const std::optional<at::Tensor> &w1_bias,
   }
 }
 
-// The activation: alpha and limit select the clamped swiglu; otherwise `activation` names
-// the function applied to the gate half (None means "silu").
-cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
-                                   std::optional<double> alpha, std::optional<double> limit,
-                                   const char *op) {
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
-  const std::string name = activation.has_value() ? std::string(*activation) : "silu";
-  TORCH_CHECK(name == "silu" || name == "gelu", op, ": Unsupported activation '", name,
-              "' (expected 'silu' or 'gelu')");
-  if (alpha.has_value()) {
-    TORCH_CHECK(name == "silu", op,
-                ": alpha and limit select the clamped swiglu, which replaces the activation; "
-                "activation must be None or 'silu' with them, got '",
-                name, "'");
-    return CPUMOE_ACT_SWIGLU_CLAMP;
-  }
-  return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
-}
-
 }  // namespace
 
 at::Tensor fused_experts_cpu_activation(

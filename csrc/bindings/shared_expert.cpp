@@ -69,13 +69,10 @@ at::Tensor run_shared_expert(const at::Tensor &hidden_states, const at::Tensor &
                 ": fused_experts_out must have the shape of hidden_states ", hidden_states.sizes(),
                 ", got ", fused_experts_out->sizes());
   }
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
+  const cpumoe_activation act = parse_activation(std::nullopt, alpha, limit, op);
   at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   problem.E = 1, problem.topk = 1;
-  problem.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
+  problem.activation = act;
   problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
   problem.x = hidden_states.data_ptr();

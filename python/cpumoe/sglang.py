@@ -5,8 +5,7 @@ path calls, with SGLang's schemas, each forwarding to the ``torch.ops.cpumoe`` o
 same arguments (docs/SGLANG.md, "The one-line switch"):
 
 * ``fused_experts_cpu``: SGLang's current schema (17 arguments and ``str? activation=None``)
-  and ``fused_experts_cpu.no_bias``, the 13-argument one before the GPT-OSS arguments. Until
-  cpumoe has the ``activation`` overload, only ``activation`` None or ``"silu"`` is accepted;
+  and ``fused_experts_cpu.no_bias``, the 13-argument one before the GPT-OSS arguments;
 * ``shared_expert_cpu`` (12 arguments) and ``shared_expert_cpu.mxfp4`` (DeepSeek-V4's,
   with ``use_mxfp4``, ``alpha``, ``limit``);
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``, and ``convert_scale_packed``
@@ -26,8 +25,7 @@ cpumoe's extension: the C++ block runs whenever the extension loads, uncondition
 library afterwards; the choice per op, at the user's request, needs code that runs after
 looking. The cost stays one dispatcher call more than calling cpumoe directly: the kernel
 registered for each op is the ``torch.ops.cpumoe`` overload object itself (same arguments
-in the same order), so no Python function body runs per call; ``fused_experts_cpu`` without
-cpumoe's ``activation`` overload is the one exception (a check of ``activation``).
+in the same order), so no Python function body runs per call.
 
 Fake kernels are registered too (the same cpumoe overloads, which run cpumoe's fake
 kernels), so the ops trace under ``torch.compile``. SGLang's CPU graph runner registers its
@@ -103,33 +101,12 @@ FAKED_BY_SGLANG = frozenset({"fused_experts_cpu", "shared_expert_cpu", "topk_sof
                              "topk_sigmoid_cpu", "grouped_topk_cpu", "biased_grouped_topk_cpu"})
 
 
-def _fused_experts_current():
-    """cpumoe's overload of SGLang's current ``fused_experts_cpu`` schema: ``.activation``
-    where cpumoe has it, else ``.bias`` behind a check that ``activation`` asks for SiLU."""
-    op = torch.ops.cpumoe.fused_experts_cpu
-    if "activation" in op.overloads():
-        return op.activation
-    bias = op.bias
-
-    def fused_experts_silu(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
-                           moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
-                           w1_bias, w2_bias, alpha, limit, is_vnni, activation=None):
-        if activation is not None and activation != "silu":
-            raise RuntimeError(f"fused_experts_cpu: activation {activation!r} is not supported "
-                               f"by this build of cpumoe, which computes only 'silu' (SiLU·mul)")
-        return bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method,
-                    w1_scale, w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha,
-                    limit, is_vnni)
-
-    return fused_experts_silu
-
-
 def forwards():
     """The ops to register, each with the cpumoe overload it forwards to (MXFP4's
     ``convert_scale_packed`` only when cpumoe has it)."""
     ops = torch.ops.cpumoe
     targets = {
-        "fused_experts_cpu": _fused_experts_current(),
+        "fused_experts_cpu": ops.fused_experts_cpu.activation,
         "fused_experts_cpu.no_bias": ops.fused_experts_cpu.default,
         "shared_expert_cpu": ops.shared_expert_cpu.default,
         "shared_expert_cpu.mxfp4": ops.shared_expert_cpu.mxfp4,
