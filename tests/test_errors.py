@@ -614,6 +614,19 @@ def call_shared(method=0, *, cpu_kernel=False, **over):
                                 a.pop("fused_experts_out"), a.pop("routed_scaling_factor"), **a)
 
 
+def call_fused_out(**over):
+    """fused_experts_cpu.out (vLLM's out-variant) with valid bf16 arguments, `over`
+    applied (out, hidden_states, a1_scale)."""
+    w1, w2, _ = scheme_args(0, (E,))
+    tw, ti = make_routing(M, E, TOPK)
+    a = _apply(dict(out=torch.zeros(M, K, dtype=BF16), hidden_states=torch.zeros(M, K, dtype=BF16),
+                    a1_scale=None), over)
+    torch.ops.cpumoe.fused_experts_cpu.out(a["out"], a["hidden_states"], w1, w2, tw, ti, 0, None,
+                                           None, None, None, a["a1_scale"], None, None, None,
+                                           None, None, True)
+    return a["out"]
+
+
 def call_pack(weight, *, cpu_kernel=False):
     if cpu_kernel:
         return torch.ops.cpumoe.convert_weight_packed.default.redispatch(CPU_KEYS, weight)
@@ -679,6 +692,10 @@ def _f2(arg, what, **over):
 
 def _s(arg, what, method=0, **over):
     return Rejected("shared", arg, what, lambda: call_shared(method, **over))
+
+
+def _o(arg, what, **over):
+    return Rejected("fused-out", arg, what, lambda: call_fused_out(**over))
 
 
 def _p(arg, what, weight_fn, section="pack"):
@@ -841,6 +858,13 @@ CATALOGUE = [
     _f2("w2_scale", "not contiguous", w2_scale=lambda a: torch.ones(E, 2, 2)[:, :, :1]),
     _f2("w1_zero", "given", w1_zero=torch.zeros(E, 2, 2)),
     _f2("w1", "not float8_e4m3fn", w1=pack(torch.zeros(E, 2 * N, K, dtype=torch.int8))),
+    # -- fused_experts_cpu.out (vLLM's out-variant) -------------------------------------
+    _o("a1_scale", "given (vLLM's per-token activation scales of its FP8 W8A8 MoE)",
+       a1_scale=torch.ones(M, 1)),
+    _o("out", "not 2-D", out=torch.zeros(M * K, dtype=BF16)),
+    _o("out", "not contiguous", out=_transposed(torch.zeros(M, K, dtype=BF16))),
+    _o("out", "dtype other than hidden_states'", out=torch.zeros(M, K, dtype=torch.float16)),
+    _o("out", "shape other than hidden_states'", out=torch.zeros(M + 1, K, dtype=BF16)),
     # -- shared_expert_cpu ---------------------------------------------------------------
     _s("use_int8_w8a8", "use_int8_w8a8 and use_fp8_w8a16 both True", use_int8_w8a8=True,
        use_fp8_w8a16=True),
@@ -881,6 +905,11 @@ CATALOGUE = [
     _s("w1_scale", "missing (use_fp8_w8a16)", 2, w1_scale=DROP),
     _s("w2_scale", "shape other than [ceil(K / block_n), ceil(N / block_k)] (use_fp8_w8a16)",
        2, w2_scale=torch.ones(2, 2)),
+    _s("use_mxfp4", "with use_int8_w8a8 (any two flags; .mxfp4 overload)", 1, use_mxfp4=True),
+    _s("use_mxfp4", "True in a build without the MXFP4 scheme (.mxfp4 overload)",
+       use_mxfp4=True),
+    _s("alpha", "without limit (.mxfp4 overload)", alpha=1.702),
+    _s("limit", "without alpha (.mxfp4 overload)", limit=7.0),
     # -- convert_weight_packed ------------------------------------------------------------
     _p("weight", "not 2-D or 3-D", lambda: torch.zeros(64, dtype=BF16)),
     _p("weight", "float32 (or another dtype without a packed layout)",
@@ -901,6 +930,8 @@ CATALOGUE = [
              lambda: call_fused(0, w1=_meta("w1"))),
     Rejected("devices", "w1_bias", "a meta tensor among CPU tensors (any optional tensor too)",
              lambda: call_fused(0, **dict(WITH_BIAS, w1_bias=lambda a: B1().to("meta")))),
+    Rejected("devices", "out", "a meta tensor among CPU tensors (fused_experts_cpu.out)",
+             lambda: call_fused_out(out=torch.zeros(M, K, dtype=BF16, device="meta"))),
     Rejected("devices", "fused_experts_out", "a meta tensor among CPU tensors",
              lambda: call_shared(0, fused_experts_out=torch.zeros(M, K, dtype=BF16,
                                                                   device="meta"),
@@ -1030,7 +1061,8 @@ CATALOGUE = [
 
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
-    "fused-fp8": "fused_experts_cpu", "shared": "shared_expert_cpu",
+    "fused-fp8": "fused_experts_cpu", "fused-out": "fused_experts_cpu",
+    "shared": "shared_expert_cpu",
     "pack": "convert_weight_packed", "devices": "", "int4": "",
     "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
 }

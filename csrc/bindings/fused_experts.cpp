@@ -1,7 +1,9 @@
-// torch.ops.cpumoe.fused_experts_cpu, its three overloads (SGLang's schema, docs/SGLANG.md). The
-// scheme's row (schemes.h) checks and describes the weights and their scales; this file
-// checks what every scheme shares (hidden_states, routing, biases, activation) in the order
-// docs/ERRORS.md gives, and runs the problem.
+// torch.ops.cpumoe.fused_experts_cpu, its overloads (SGLang's three schemas and vLLM's
+// out-variant, docs/SGLANG.md). The scheme's row (schemes.h) checks and describes the weights
+// and their scales; this file checks what every scheme shares (hidden_states, routing,
+// biases, activation) in the order docs/ERRORS.md gives, and runs the problem.
+#include <ATen/MemoryOverlap.h>
+
 #include <tuple>
 
 #include "checks.h"
@@ -59,28 +61,6 @@ void check_biases(const std::optional<at::Tensor> &w1_bias,
     TORCH_CHECK(bias.size(0) == E && bias.size(1) == cols, op, ": ", name, " must have shape [", E,
                 ", ", cols, "], got ", bias.sizes());
   }
-}
-
-// The activation: alpha and limit select the clamped swiglu; otherwise `activation` names
-// the function applied to the gate half (None means "silu").
-cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
-                                   std::optional<double> alpha, std::optional<double> limit,
-                                   const char *op) {
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
-  const std::string name = activation.has_value() ? std::string(*activation) : "silu";
-  TORCH_CHECK(name == "silu" || name == "gelu", op, ": Unsupported activation '", name,
-              "' (expected 'silu' or 'gelu')");
-  if (alpha.has_value()) {
-    TORCH_CHECK(name == "silu", op,
-                ": alpha and limit select the clamped swiglu, which replaces the activation; "
-                "activation must be None or 'silu' with them, got '",
-                name, "'");
-    return CPUMOE_ACT_SWIGLU_CLAMP;
-  }
-  return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
 }
 
 }  // namespace
@@ -168,6 +148,41 @@ at::Tensor fused_experts_cpu(const at::Tensor &hidden_states, const at::Tensor &
   return fused_experts_cpu_bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                                 moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
                                 std::nullopt, std::nullopt, std::nullopt, std::nullopt, is_vnni);
+}
+
+// vLLM's out-variant: the .bias overload's problem, written into `out`. An `out` that is
+// hidden_states itself is the inplace call; any other `out` (vLLM passes its own buffer)
+// receives a copy of the result, so it may also overlap hidden_states in part.
+void fused_experts_cpu_out(
+    const at::Tensor &out, const at::Tensor &hidden_states, const at::Tensor &w1,
+    const at::Tensor &w2, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, const std::optional<at::Tensor> &a1_scale,
+    at::OptionalIntArrayRef block_size, const std::optional<at::Tensor> &w1_bias,
+    const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
+    std::optional<double> limit, bool is_vnni) {
+  const char *op = "fused_experts_cpu";
+  TORCH_CHECK(!a1_scale.has_value(), op,
+              ": a1_scale must be None: cpumoe has no FP8 W8A8 scheme with precomputed per-token "
+              "activation scales (vLLM's); it quantizes activations itself for "
+              "moe_comp_method 1 and 3");
+  scheme_for_method(moe_comp_method, op);
+  check_dense(hidden_states, "hidden_states", op, 2);
+  const at::ScalarType dtype = hidden_states.scalar_type();
+  activation_dtype(hidden_states, op);
+  check_dense(out, "out", op, 2);
+  TORCH_CHECK(out.scalar_type() == dtype, op, ": out must have the dtype of hidden_states (",
+              dtype_name(dtype), "), got ", dtype_name(out.scalar_type()));
+  TORCH_CHECK(out.sizes() == hidden_states.sizes(), op,
+              ": out must have the shape of hidden_states ", hidden_states.sizes(), ", got ",
+              out.sizes());
+  const bool into_hidden_states =
+      at::get_overlap_status(out, hidden_states) == at::MemOverlapStatus::Full;
+  const at::Tensor result = fused_experts_cpu_bias(
+      hidden_states, w1, w2, topk_weights, topk_ids, into_hidden_states, moe_comp_method, w1_scale,
+      w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni);
+  if (!into_hidden_states) out.copy_(result);
 }
 
 }  // namespace cpumoe::bindings

@@ -22,10 +22,21 @@ TORCH_LIBRARY(cpumoe, m) {
       "topk_weights, Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? "
       "w2_scale, Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? "
       "w2_bias, float? alpha, float? limit, bool is_vnni, str? activation=None) -> Tensor");
+  // vLLM's out-variant (its CPU build's _C::fused_experts_cpu)
+  m.def(
+      "fused_experts_cpu.out(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2, Tensor "
+      "topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
+      "Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, Tensor? w1_bias, "
+      "Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()");
   m.def(
       "shared_expert_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? fused_experts_out, "
       "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
       "Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, bool is_vnni) -> Tensor");
+  m.def(
+      "shared_expert_cpu.mxfp4(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? "
+      "fused_experts_out, float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool "
+      "use_fp8_w8a16, bool use_mxfp4, Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, "
+      "float? alpha, float? limit, bool is_vnni) -> Tensor");
   m.def("convert_weight_packed(Tensor weight) -> Tensor");
   m.def(
       "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
@@ -57,7 +68,9 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_cpu", &ops::fused_experts_cpu);
   m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
   m.impl("fused_experts_cpu.activation", &ops::fused_experts_cpu_activation);
+  m.impl("fused_experts_cpu.out", &ops::fused_experts_cpu_out);
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
+  m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
   m.impl("topk_softmax_cpu", &ops::topk_softmax_cpu);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "runtime.h"
@@ -326,6 +327,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = false,
                           .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
                           .label = "bf16/fp16 weights (use_int8_w8a8 and use_fp8_w8a16 False)"},
         .packed_extra_cols = 0,
         .pack_row_multiple = 16,
@@ -344,6 +346,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = true,
                           .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
                           .label = "use_int8_w8a8=True (int8 w8a8)"},
         .packed_extra_cols = kInt8CompensationBytes,
         .pack_row_multiple = 32,
@@ -362,6 +365,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = false,
                           .use_fp8_w8a16 = true,
+                          .use_mxfp4 = false,
                           .label = "use_fp8_w8a16=True (fp8 w8a16)"},
         .packed_extra_cols = 0,
         .pack_row_multiple = 16,
@@ -378,8 +382,11 @@ constexpr SchemeTraits kSchemes[] = {
         .weights_match_activations = false,
         .scales = ScaleKind::kGroupWithZeros,
         .takes_block_size = false,
-        .shared_expert =
-            {.supported = false, .use_int8_w8a8 = false, .use_fp8_w8a16 = false, .label = nullptr},
+        .shared_expert = {.supported = false,
+                          .use_int8_w8a8 = false,
+                          .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
+                          .label = nullptr},
         // no dense layout: convert_weight_packed_scale_zp packs int4 checkpoints
         .packed_extra_cols = 0,
         .pack_row_multiple = 0,
@@ -436,13 +443,33 @@ const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op) {
   return kSchemes[static_cast<size_t>(moe_comp_method)];
 }
 
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16) {
+const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                             const char *op) {
+  struct Flag {
+    bool value;
+    const char *name;
+    const char *scheme;  // what the flag asks for, for the message when no row has it
+  };
+  const Flag flags[] = {{use_int8_w8a8, "use_int8_w8a8", "int8 w8a8"},
+                        {use_fp8_w8a16, "use_fp8_w8a16", "fp8 w8a16"},
+                        {use_mxfp4, "use_mxfp4", "mxfp4"}};
+  std::vector<const Flag *> set;
+  for (const Flag &flag : flags)
+    if (flag.value) set.push_back(&flag);
+  std::string set_names;  // "use_int8_w8a8", "use_int8_w8a8 and use_mxfp4", "a, b and c"
+  for (size_t i = 0; i < set.size(); ++i)
+    set_names += (i == 0 ? "" : i + 1 == set.size() ? " and " : ", ") + std::string(set[i]->name);
+  TORCH_CHECK(set.size() <= 1, op, ": ", set_names, " cannot ", set.size() == 2 ? "both" : "all",
+              " be True");
   const auto row =
       std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](const SchemeTraits &s) {
         return s.shared_expert.supported && s.shared_expert.use_int8_w8a8 == use_int8_w8a8 &&
-               s.shared_expert.use_fp8_w8a16 == use_fp8_w8a16;
+               s.shared_expert.use_fp8_w8a16 == use_fp8_w8a16 &&
+               s.shared_expert.use_mxfp4 == use_mxfp4;
       });
-  TORCH_INTERNAL_ASSERT(row != std::end(kSchemes), "no scheme for shared_expert_cpu's flags");
+  // only a set flag can miss: the bf16/fp16 row (no flag) always exists
+  TORCH_CHECK(row != std::end(kSchemes), op, ": ", set_names, "=True selects the ", set[0]->scheme,
+              " weight scheme, which is not available in this build of cpumoe");
   return *row;
 }
 

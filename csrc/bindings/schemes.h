@@ -60,11 +60,13 @@ using DescribeScalesFn = void (*)(const SchemeTraits &scheme, const WeightOperan
 // Packs checked, contiguous [..., OC, IC] weights into the scheme's layout.
 using PackFn = at::Tensor (*)(const at::Tensor &weight, const char *op);
 
-// How shared_expert_cpu's flags select a scheme (it has no moe_comp_method).
+// How shared_expert_cpu's flags select a scheme (it has no moe_comp_method). At most one
+// flag is set; none selects the bf16/fp16 row. use_mxfp4 exists only in the .mxfp4 overload.
 struct SharedExpertFlags {
   bool supported;  // false: no flag combination selects the scheme
   bool use_int8_w8a8;
   bool use_fp8_w8a16;
+  bool use_mxfp4;
   const char *label;  // how shared_expert_cpu's messages name the scheme
 };
 
@@ -97,8 +99,10 @@ struct SchemeTraits {
 // The row of `moe_comp_method`; the one place an unknown method is rejected.
 const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op);
 
-// The row shared_expert_cpu's flags select (the caller has rejected both flags set).
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16);
+// The row shared_expert_cpu's flags select; more than one flag set, or a flag whose scheme
+// this build lacks (use_mxfp4 until an MXFP4 row exists), is a RuntimeError of `op`.
+const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                             const char *op);
 
 // The row whose weights have `dtype`, or nullptr.
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype);

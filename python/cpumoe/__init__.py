@@ -3,8 +3,9 @@
 Importing the package registers the ops under ``torch.ops.cpumoe``:
 
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
-  17-argument schema: biases, GPT-OSS ``alpha``/``limit``),
-* ``shared_expert_cpu``,
+  17-argument schema: biases, GPT-OSS ``alpha``/``limit``; ``.out``, vLLM's out-variant),
+* ``shared_expert_cpu`` (and ``.mxfp4``, SGLang's newer schema: ``use_mxfp4``,
+  ``alpha``/``limit``),
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``,
 * the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
   ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas) and
@@ -15,6 +16,10 @@ and typed wrappers with the same names in lower case, without ``_cpu``, live her
 :func:`topk_softmax`, :func:`biased_grouped_topk`, ...).
 The kernels pick the best ISA tier of the CPU once at import; ``CPUMOE_ISA``
 caps it, :func:`isa` says which tier runs.
+
+``import cpumoe.sglang`` and ``import cpumoe.vllm`` register the same ops under SGLang's
+(``torch.ops.sgl_kernel``) and vLLM's (``torch.ops._C``) namespaces where those libraries
+have not (docs/SGLANG.md).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -32,6 +37,7 @@ from .ops import (
     convert_weight_packed,
     convert_weight_packed_scale_zp,
     fused_experts,
+    fused_experts_into,
     grouped_topk,
     shared_expert,
     topk_sigmoid,
@@ -51,6 +57,7 @@ __all__ = [
     "convert_weight_packed_scale_zp",
     "cpu_features",
     "fused_experts",
+    "fused_experts_into",
     "grouped_topk",
     "isa",
     "isa_reason",

@@ -373,17 +373,21 @@ def shared_expert(
     w2_scale: Optional[torch.Tensor] = None,
     use_fp8_w8a16: bool = False,
     block_size: Optional[list] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
 ) -> torch.Tensor:
-    """Reference of `shared_expert_cpu` with unpacked weights w1 [2N, K], w2 [K, N]
-    (16-bit, or int8 with scales [2N(, 1)], [K(, 1)]):
-    mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once."""
+    """Reference of `shared_expert_cpu` (both overloads) with unpacked weights w1 [2N, K],
+    w2 [K, N] (16-bit, int8 with scales [2N(, 1)], [K(, 1)], or fp8 with block scales):
+    mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once; ``alpha``
+    and ``limit`` select the clamped swiglu as in :func:`fused_experts`."""
     if use_int8_w8a8:
-        y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale)
+        y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale, alpha=alpha,
+                            limit=limit)
     elif use_fp8_w8a16:
         y = expert_mlp(hidden_states, dequantize_fp8(w1, w1_scale, block_size),
-                       dequantize_fp8(w2, w2_scale, block_size))
+                       dequantize_fp8(w2, w2_scale, block_size), alpha=alpha, limit=limit)
     else:
-        y = expert_mlp(hidden_states, w1, w2)
+        y = expert_mlp(hidden_states, w1, w2, alpha=alpha, limit=limit)
     if fused_experts_out is not None:
         y = y + routed_scaling_factor * fused_experts_out.float()
     return y.to(hidden_states.dtype)
