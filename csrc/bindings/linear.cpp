@@ -50,12 +50,15 @@ at::Tensor prepare_weight(const SchemeTraits &scheme, const at::Tensor &weight, 
   check_cpu_tensor(weight, name, op);
   TORCH_CHECK(weight.dim() == 2, op, ": ", name, " must be a 2-D tensor [N, K], got shape ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() != at::kFloat || dtype == at::kFloat, op, ": ", name,
-              " is float32: the transposed copy convert_weight_packed makes of a weight with "
-              "fewer than 16 rows is not supported (pad the weight to 32 rows with zeros and "
-              "pack that)");
+  // SGLang's packer turns a weight of fewer than 16 rows into a float32 [K, N] copy for a
+  // path of its own; here the weights run on the MoE kernels, which take 32-row tiles
+  const bool small_oc_copy = weight.scalar_type() == at::kFloat;
   TORCH_CHECK(weight.scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype),
-              " for ", scheme.name, " weights, got ", dtype_name(weight.scalar_type()));
+              " for ", scheme.name, " weights, got ", dtype_name(weight.scalar_type()),
+              small_oc_copy ? " (the float32 [K, N] copy convert_weight_packed makes of a weight "
+                              "with fewer than 16 rows is not supported: pad such a weight to "
+                              "32 rows with zeros)"
+                            : "");
   const int64_t cols = problem.K + (is_vnni ? scheme.packed_extra_cols : 0);
   TORCH_CHECK(weight.size(1) == cols, op, ": ", name, " must have ", cols,
               " columns (K = ", problem.K,
@@ -140,8 +143,8 @@ at::Tensor int8_scaled_mm_with_quant(const at::Tensor &mat1, const at::Tensor &m
   check_out_dtype(out_dtype, x, op);
   const SchemeTraits &scheme = scheme_for_method(CPUMOE_SCHEME_INT8_W8A8, op);
   cpumoe_linear_problem problem = problem_for(x, scheme.scheme);
-  TORCH_CHECK(problem.K <= 65536, op, ": int8 sums K=", problem.K,
-              " products exactly in int32 only up to K = 65536");
+  TORCH_CHECK(problem.K <= 65536, op, ": mat1 has K=", problem.K,
+              " input features; int8 sums K products exactly in int32 only up to K = 65536");
   const at::Tensor w = prepare_weight(scheme, mat2, "mat2", at::kChar, is_vnni, problem, op);
   // as SGLang: one scale per output feature, checked by count ([N] or [N, 1])
   check_cpu_tensor(scales2, "scales2", op);
