@@ -364,12 +364,16 @@ def _names(text: str, known: Sequence[str], what: str) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def _shape_text() -> str:
+    return ", ".join(f"{k}->{n}" for k, n in SHAPES.values())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cpumoe bench linear",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="all", type=parse_shapes,
-                   help=f"{', '.join(SHAPES)} (K -> N: {', '.join(f'{k}->{n}' for k, n in SHAPES.values())}), "
-                        "custom:K,N or all (default); join several with '+'")
+                   help=f"{', '.join(SHAPES)} (K -> N: {_shape_text()}), custom:K,N or all "
+                        "(default); join several with '+'")
     p.add_argument("--scheme", default=",".join(DEFAULT_SCHEMES),
                    type=lambda t: _names(t, LINEAR_SCHEMES, "scheme"),
                    help=f"comma list of {', '.join(LINEAR_SCHEMES)} or all (default "
