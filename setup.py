@@ -100,6 +100,7 @@ setup(
                 "csrc/bindings/shared_expert.cpp",
                 "csrc/bindings/packers.cpp",
                 "csrc/bindings/routing.cpp",
+                "csrc/bindings/linear.cpp",
                 "csrc/bindings/runtime.cpp",
             ],
             include_dirs=[str(INCLUDE)],

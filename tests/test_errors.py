@@ -1059,12 +1059,127 @@ CATALOGUE = [
              lambda: call_routing("biased_topk", gating_output=_meta("gating_output"))),
 ]
 
+# -- the dense linear ops ---------------------------------------------------------------
+# Valid arguments: mat1 [M, K] bf16, one weight of N rows, per op; each case breaks one.
+
+LINEAR_OPS = {"wpl": "weight_packed_linear", "int8": "int8_scaled_mm_with_quant",
+              "fp8": "fp8_scaled_mm_cpu", "int4": "int4_scaled_mm_cpu"}
+
+
+def linear_args(op: str) -> dict:
+    """Valid arguments of the linear op `op` (a key of LINEAR_OPS), by schema name."""
+    from cpumoe import quant
+
+    f = torch.randn(N, K) / 8
+    mat1 = torch.zeros(M, K, dtype=BF16)
+    if op == "wpl":
+        return dict(mat1=mat1, mat2=pack(f.to(BF16)), bias=None, is_vnni=True)
+    if op == "int8":
+        q, s = quant.quantize_int8_per_channel(f)
+        return dict(mat1=mat1, mat2=pack(q), scales2=s, bias=None, out_dtype=BF16, is_vnni=True)
+    if op == "fp8":
+        q, s = quant.quantize_fp8_blockwise(f, FP8_BLOCK)
+        return dict(mat1=mat1, mat2=pack(q), scales2=s, block_size=list(FP8_BLOCK), bias=None,
+                    out_dtype=BF16, is_vnni=True)
+    w, z, s = cpumoe.convert_weight_packed_scale_zp(*quant.quantize_int4(f, 32, "awq"), 0)
+    return dict(x=mat1, w=w, w_zeros=z, w_scales=s, bias=None)
+
+
+def call_linear(op="wpl", *, cpu_kernel=False, **over):
+    """torch.ops.cpumoe.<LINEAR_OPS[op]> with valid arguments, `over` applied; cpu_kernel
+    as in call_fused."""
+    a = _apply(linear_args(op), over)
+    fn = getattr(torch.ops.cpumoe, LINEAR_OPS[op]).default
+    if cpu_kernel:
+        return fn.redispatch(CPU_KEYS, *a.values())
+    return fn(*a.values())
+
+
+def _l(arg, what, op="wpl", **over):
+    return Rejected("linear", arg, f"{what} ({LINEAR_OPS[op]})", lambda: call_linear(op, **over))
+
+
+def _wide_mat2(a):
+    """A weight of 48 rows (not a multiple of 32), unpacked (packing needs 16)."""
+    return torch.zeros(48, K, dtype=BF16)
+
+
+LINEAR_CATALOGUE = [
+    _l("mat1", "float32 (any dtype but bfloat16/float16)", mat1=torch.zeros(M, K)),
+    _l("mat1", "not 2-D", "int8", mat1=torch.zeros(1, M, K, dtype=BF16)),
+    _l("mat1", "K not a multiple of 32 (here 48)", mat1=torch.zeros(M, 48, dtype=BF16)),
+    _l("mat1", "no columns (K = 0)", "fp8", mat1=torch.zeros(M, 0, dtype=BF16)),
+    _l("x", "float32", "int4", x=torch.zeros(M, K)),
+    _l("out_dtype", "other than mat1's", "int8", out_dtype=torch.float32),
+    _l("out_dtype", "other than mat1's", "fp8", out_dtype=torch.float16),
+    _l("mat2", "not 2-D", mat2=lambda a: a["mat2"][None]),
+    _l("mat2", "float32 (convert_weight_packed's copy of a weight of fewer than 16 rows)",
+       mat2=lambda a: cpumoe.convert_weight_packed(torch.zeros(8, K, dtype=BF16))),
+    _l("mat2", "dtype other than mat1's", mat2=lambda a: a["mat2"].half()),
+    _l("mat2", "not int8", "int8", mat2=lambda a: a["mat2"].to(BF16)),
+    _l("mat2", "not float8_e4m3fn", "fp8", mat2=lambda a: a["mat2"].view(torch.int8)),
+    _l("mat2", "columns other than K", mat2=torch.zeros(N, 2 * K, dtype=BF16)),
+    _l("mat2", "packed columns other than K + 4", "int8",
+       mat2=lambda a: a["mat2"][:, :K].contiguous()),
+    _l("mat2", "columns other than K (is_vnni=False)", "int8", is_vnni=False,
+       mat2=torch.zeros(N, K + 4, dtype=torch.int8)),
+    _l("mat2", "rows (out features) not a multiple of 32 (here 48)", is_vnni=False,
+       mat2=_wide_mat2),
+    _l("mat2", "not contiguous", mat2=_noncontig("mat2")),
+    _l("mat1", "K above 65536 (int8 sums)", "int8", mat1=torch.zeros(1, 65568, dtype=BF16)),
+    _l("scales2", "not float32", "int8", scales2=lambda a: a["scales2"].half()),
+    _l("scales2", "numel other than N", "int8", scales2=torch.ones(N + 1)),
+    _l("scales2", "not contiguous", "int8", scales2=torch.ones(N, 2)[:, 0]),
+    _l("scales2", "shape other than [ceil(N / block_n), ceil(K / block_k)]", "fp8",
+       scales2=torch.ones(1, 1)),
+    _l("scales2", "not float32", "fp8", scales2=lambda a: a["scales2"].double()),
+    _l("block_size", "not 2 values", "fp8", block_size=[32, 32, 32]),
+    _l("block_size", "odd block_k", "fp8", block_size=[32, 31]),
+    _l("block_size", "not positive", "fp8", block_size=[0, 32]),
+    _l("w_scales", "not 3-D [N/32, groups, 32]", "int4",
+       w_scales=lambda a: a["w_scales"][..., 0].contiguous()),
+    _l("w_scales", "groups that do not divide K (here 3)", "int4",
+       w_scales=torch.ones(1, 3, 32), w_zeros=torch.zeros(1, 3, 32, dtype=torch.int8)),
+    _l("w_scales", "a group size int4 does not support (here 6)", "int4",
+       x=torch.zeros(M, 96, dtype=BF16), w_scales=torch.ones(1, 16, 32),
+       w_zeros=torch.zeros(1, 16, 32, dtype=torch.int8)),
+    _l("w_scales", "not float32", "int4", w_scales=lambda a: a["w_scales"].half()),
+    _l("w_zeros", "not int8", "int4", w_zeros=lambda a: a["w_zeros"].int()),
+    _l("w_zeros", "shape other than w_scales'", "int4",
+       w_zeros=lambda a: a["w_zeros"][:, :1].contiguous()),
+    _l("w", "not uint8", "int4", w=lambda a: a["w"].view(torch.int8)),
+    _l("w", "shape other than the packed one", "int4", w=lambda a: a["w"][..., :-1].contiguous()),
+    _l("w", "not contiguous", "int4", w=lambda a: _transposed(a["w"])),
+    _l("bias", "float64", bias=torch.zeros(N, dtype=torch.float64)),
+    _l("bias", "shape other than [N]", "int4", bias=torch.zeros(1, N)),
+    _l("mat2", "a meta tensor among CPU tensors", "int8", mat2=_meta("mat2")),
+    _l("w_scales", "a meta tensor among CPU tensors", "int4", w_scales=_meta("w_scales")),
+    *[Rejected("linear", name, f"not a CPU tensor, reaching the CPU kernel ({LINEAR_OPS[op]})",
+               lambda op=op, name=name: call_linear(op, cpu_kernel=True, **{name: _meta(name)}))
+      for op, name in [("wpl", "mat1"), ("wpl", "mat2"), ("int8", "scales2"), ("fp8", "scales2"),
+                       ("int4", "x"), ("int4", "w"), ("int4", "w_zeros"),
+                       ("int4", "w_scales")]],
+    Rejected("linear", "bias", "not a CPU tensor, reaching the CPU kernel (weight_packed_linear)",
+             lambda: call_linear("wpl", cpu_kernel=True, bias=torch.zeros(N, device="meta"))),
+]
+CATALOGUE += LINEAR_CATALOGUE
+
+
+@pytest.mark.parametrize("op", list(LINEAR_OPS))
+def test_catalogue_linear_baselines_pass(op):
+    """The valid arguments every linear case perturbs are accepted, with and without bias."""
+    for cpu_kernel in (False, True):
+        assert call_linear(op, cpu_kernel=cpu_kernel).shape == (M, N)
+        assert call_linear(op, cpu_kernel=cpu_kernel, bias=torch.zeros(N)).shape == (M, N)
+
+
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
     "fused-fp8": "fused_experts_cpu", "fused-out": "fused_experts_cpu",
     "shared": "shared_expert_cpu",
     "pack": "convert_weight_packed", "devices": "", "int4": "",
     "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
+    "linear": "(" + "|".join(LINEAR_OPS.values()) + ")",
 }
 
 

@@ -1,7 +1,7 @@
 // The entry points of torch.ops.cpumoe.*, which registration.cpp registers under SGLang's
 // CPU MoE schemas (docs/SGLANG.md has them and where we differ). Each is defined in the
-// file named after it: fused_experts.cpp, shared_expert.cpp, packers.cpp, and the routing
-// ops in routing.cpp.
+// file named after it: fused_experts.cpp, shared_expert.cpp, packers.cpp, the routing
+// ops in routing.cpp and the dense linear ops in linear.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -79,6 +79,23 @@ at::Tensor convert_weight_packed(const at::Tensor &weight);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
     const at::Tensor &qweight, const at::Tensor &qzeros, const at::Tensor &scales,
     int64_t quant_method_4bit);
+
+// The dense linear ops (linear.cpp): out [M, N] = mat1 [M, K] @ W [N, K]^T + bias, W packed.
+at::Tensor weight_packed_linear(const at::Tensor &mat1, const at::Tensor &mat2,
+                                const std::optional<at::Tensor> &bias, bool is_vnni);
+
+at::Tensor int8_scaled_mm_with_quant(const at::Tensor &mat1, const at::Tensor &mat2,
+                                     const at::Tensor &scales2,
+                                     const std::optional<at::Tensor> &bias,
+                                     at::ScalarType out_dtype, bool is_vnni);
+
+at::Tensor fp8_scaled_mm_cpu(const at::Tensor &mat1, const at::Tensor &mat2,
+                             const at::Tensor &scales2, at::IntArrayRef block_size,
+                             const std::optional<at::Tensor> &bias, at::ScalarType out_dtype,
+                             bool is_vnni);
+
+at::Tensor int4_scaled_mm_cpu(const at::Tensor &x, const at::Tensor &w, const at::Tensor &w_zeros,
+                              const at::Tensor &w_scales, const std::optional<at::Tensor> &bias);
 
 // The routing ops: (topk_weights float32 [M, topk], topk_ids int32 [M, topk]).
 std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor &hidden_states,

@@ -41,6 +41,17 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def(
       "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
       "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
+  // dense linear layers on the experts' kernels: SGLang's four ops
+  m.def("weight_packed_linear(Tensor mat1, Tensor mat2, Tensor? bias, bool is_vnni) -> Tensor");
+  m.def(
+      "int8_scaled_mm_with_quant(Tensor mat1, Tensor mat2, Tensor scales2, Tensor? bias, "
+      "ScalarType out_dtype, bool is_vnni) -> Tensor");
+  m.def(
+      "fp8_scaled_mm_cpu(Tensor mat1, Tensor mat2, Tensor scales2, int[] block_size, Tensor? "
+      "bias, ScalarType out_dtype, bool is_vnni) -> Tensor");
+  m.def(
+      "int4_scaled_mm_cpu(Tensor x, Tensor w, Tensor w_zeros, Tensor w_scales, Tensor? bias) -> "
+      "Tensor");
   // routing before the experts: SGLang's four ops, vLLM's biased_topk_cpu
   m.def(
       "topk_softmax_cpu(Tensor hidden_states, Tensor gating_output, int topk, bool renormalize) "
@@ -73,6 +84,10 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
+  m.impl("weight_packed_linear", &ops::weight_packed_linear);
+  m.impl("int8_scaled_mm_with_quant", &ops::int8_scaled_mm_with_quant);
+  m.impl("fp8_scaled_mm_cpu", &ops::fp8_scaled_mm_cpu);
+  m.impl("int4_scaled_mm_cpu", &ops::int4_scaled_mm_cpu);
   m.impl("topk_softmax_cpu", &ops::topk_softmax_cpu);
   m.impl("topk_sigmoid_cpu", &ops::topk_sigmoid_cpu);
   m.impl("grouped_topk_cpu", &ops::grouped_topk_cpu);

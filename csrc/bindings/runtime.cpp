@@ -92,6 +92,14 @@ void run_gating_problem(const cpumoe_gating_problem &problem, const char *op) {
   check_status(cpumoe_gating(&problem, workspace_for(bytes), bytes, &runner), op);
 }
 
+void run_linear_problem(const cpumoe_linear_problem &problem, const char *op) {
+  if (problem.M == 0) return;
+  const size_t bytes = cpumoe_linear_workspace_size(&problem);
+  TORCH_CHECK(bytes > 0, op, ": ", cpumoe_last_error());
+  const cpumoe_runner runner = aten_runner();
+  check_status(cpumoe_linear(&problem, workspace_for(bytes), bytes, &runner), op);
+}
+
 std::string active_isa() {
   return cpumoe_isa_name(cpumoe_active_isa());
 }

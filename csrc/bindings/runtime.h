@@ -30,6 +30,9 @@ void run_problem(const cpumoe_moe_problem &problem, const char *op);
 // Runs a checked routing problem the same way.
 void run_gating_problem(const cpumoe_gating_problem &problem, const char *op);
 
+// Runs a checked dense linear problem the same way.
+void run_linear_problem(const cpumoe_linear_problem &problem, const char *op);
+
 // ---- cpumoe._C (bound in registration.cpp) ----
 std::string active_isa();
 std::string best_isa();

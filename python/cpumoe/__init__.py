@@ -7,6 +7,8 @@ Importing the package registers the ops under ``torch.ops.cpumoe``:
 * ``shared_expert_cpu`` (and ``.mxfp4``, SGLang's newer schema: ``use_mxfp4``,
   ``alpha``/``limit``),
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``,
+* the dense linear ops on the same kernels: ``weight_packed_linear``,
+  ``int8_scaled_mm_with_quant``, ``fp8_scaled_mm_cpu``, ``int4_scaled_mm_cpu``,
 * the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
   ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas) and
   ``biased_topk_cpu`` (vLLM's),
@@ -36,12 +38,16 @@ from .ops import (
     biased_topk,
     convert_weight_packed,
     convert_weight_packed_scale_zp,
+    fp8_scaled_mm,
     fused_experts,
     fused_experts_into,
     grouped_topk,
+    int4_scaled_mm,
+    int8_scaled_mm_with_quant,
     shared_expert,
     topk_sigmoid,
     topk_softmax,
+    weight_packed_linear,
 )
 
 __version__ = "0.1.0"
@@ -56,9 +62,12 @@ __all__ = [
     "convert_weight_packed",
     "convert_weight_packed_scale_zp",
     "cpu_features",
+    "fp8_scaled_mm",
     "fused_experts",
     "fused_experts_into",
     "grouped_topk",
+    "int4_scaled_mm",
+    "int8_scaled_mm_with_quant",
     "isa",
     "isa_reason",
     "numerics_class",
@@ -66,6 +75,7 @@ __all__ = [
     "shared_expert",
     "topk_sigmoid",
     "topk_softmax",
+    "weight_packed_linear",
 ]
 
 

@@ -71,7 +71,8 @@ COMMANDS = {
     "bench": (bench_main, "benchmark fused_experts (every weight scheme) on model shapes vs "
                           "the measured roofline and PyTorch (python -m cpumoe bench --help); "
                           "'bench compare A.json B.json' sets two saved runs side by side; "
-                          "'bench routing' times the routing ops against the layer they route"),
+                          "'bench routing' times the routing ops against the layer they route; "
+                          "'bench linear' the dense linear ops"),
 }
 
 

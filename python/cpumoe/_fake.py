@@ -7,13 +7,14 @@ op writes into ``hidden_states`` and returns it, while tracing sees a fresh tens
 import torch
 
 
-def _same_device(op, hidden_states, **tensors):
+def _same_device(op, hidden_states, *, first_name="hidden_states", **tensors):
     """A meta tensor among CPU tensors sends the call here; without this check it would
-    return an uninitialized CPU tensor. Under FakeTensorMode all devices agree."""
+    return an uninitialized CPU tensor. Under FakeTensorMode all devices agree.
+    ``first_name`` is how the op names its first tensor (``mat1`` for the linear ops)."""
     for name, t in tensors.items():
         if t is not None and t.device != hidden_states.device:
             raise RuntimeError(
-                f"{op}: {name} is on {t.device} but hidden_states is on {hidden_states.device}; "
+                f"{op}: {name} is on {t.device} but {first_name} is on {hidden_states.device}; "
                 "all tensors must be CPU tensors"
             )
 
@@ -116,3 +117,34 @@ def _register_routing_fake(op):
 for _op in ("topk_softmax_cpu", "topk_sigmoid_cpu", "grouped_topk_cpu", "biased_grouped_topk_cpu",
             "biased_topk_cpu"):
     _register_routing_fake(_op)
+
+
+# The dense linear ops: [M, N] in the activations' dtype; N from the weight's rows (int4:
+# from its scales, [N/32, groups, 32]).
+
+
+@torch.library.register_fake("cpumoe::weight_packed_linear")
+def _weight_packed_linear_fake(mat1, mat2, bias, is_vnni):
+    _same_device("weight_packed_linear", mat1, first_name="mat1", mat2=mat2, bias=bias)
+    return mat1.new_empty((mat1.shape[0], mat2.shape[0]))
+
+
+@torch.library.register_fake("cpumoe::int8_scaled_mm_with_quant")
+def _int8_scaled_mm_with_quant_fake(mat1, mat2, scales2, bias, out_dtype, is_vnni):
+    _same_device("int8_scaled_mm_with_quant", mat1, first_name="mat1", mat2=mat2,
+                 scales2=scales2, bias=bias)
+    return mat1.new_empty((mat1.shape[0], mat2.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("cpumoe::fp8_scaled_mm_cpu")
+def _fp8_scaled_mm_fake(mat1, mat2, scales2, block_size, bias, out_dtype, is_vnni):
+    _same_device("fp8_scaled_mm_cpu", mat1, first_name="mat1", mat2=mat2, scales2=scales2,
+                 bias=bias)
+    return mat1.new_empty((mat1.shape[0], mat2.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("cpumoe::int4_scaled_mm_cpu")
+def _int4_scaled_mm_fake(x, w, w_zeros, w_scales, bias):
+    _same_device("int4_scaled_mm_cpu", x, first_name="x", w=w, w_zeros=w_zeros,
+                 w_scales=w_scales, bias=bias)
+    return x.new_empty((x.shape[0], w_scales.shape[0] * w_scales.shape[-1]))

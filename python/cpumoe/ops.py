@@ -297,3 +297,90 @@ def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
         hidden_states, gating_output, correction_bias, int(topk), bool(renormalize),
         str(scoring_func), int(num_fused_shared_experts), routed_scaling_factor,
         bool(apply_routed_scaling_factor_on_output))
+
+
+# ---------------------------------------------------------------------------------------
+# Dense linear layers: SGLang's four ops for the layers around the experts (attention
+# projections, dense MLPs, lm_head), on the experts' own kernels: each is the first GEMM of
+# :func:`fused_experts` on one expert holding all M rows, then ``+ bias`` in float32 and one
+# rounding to the activation dtype. ``out [M, N] = mat1 [M, K] @ W [N, K].T + bias``.
+# ``mat1`` is bfloat16 or float16 ``[M, K]`` (any strides), ``K`` and ``N`` multiples of 32;
+# ``bias`` ``[N]`` float32 (bfloat16/float16 are widened exactly). Results are the same bits
+# for any thread count, and on every tier of a numerics class (docs/NUMERICS.md).
+
+
+def weight_packed_linear(mat1: torch.Tensor, mat2: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *,
+                         is_vnni: bool = True) -> torch.Tensor:
+    """bf16/fp16 linear: ``mat1 @ mat2.T + bias`` with float32 accumulation.
+
+    Args:
+        mat1: ``[M, K]`` bfloat16 or float16.
+        mat2: ``[N, K]`` in mat1's dtype, packed by :func:`convert_weight_packed` (or, with
+            ``is_vnni=False``, unpacked: packed on every call).
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[M, N]`` in mat1's dtype.
+    """
+    return torch.ops.cpumoe.weight_packed_linear(mat1, mat2, bias, is_vnni)
+
+
+def int8_scaled_mm_with_quant(mat1: torch.Tensor, mat2: torch.Tensor, scales2: torch.Tensor,
+                              bias: Optional[torch.Tensor] = None, *,
+                              out_dtype: Optional[torch.dtype] = None,
+                              is_vnni: bool = True) -> torch.Tensor:
+    """INT8 W8A8 linear: each row of ``mat1`` quantized to int8 inside the op (per row,
+    symmetric, as :func:`fused_experts` does), an exact integer GEMM with the int8 weight,
+    then ``(acc * row_scale) * scales2[n] + bias[n]`` in float32.
+
+    Args:
+        mat1: ``[M, K]`` bfloat16 or float16, ``K <= 65536``.
+        mat2: int8 ``[N, K + 4]`` from :func:`convert_weight_packed` (``is_vnni=False``:
+            int8 ``[N, K]``, packed on every call).
+        scales2: float32, one scale per output channel (``[N]`` or ``[N, 1]``).
+        bias: optional ``[N]``.
+        out_dtype: must be mat1's dtype (the default), as in SGLang.
+    """
+    out_dtype = mat1.dtype if out_dtype is None else out_dtype
+    return torch.ops.cpumoe.int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype,
+                                                      is_vnni)
+
+
+def fp8_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scales2: torch.Tensor,
+                  block_size: Sequence[int], bias: Optional[torch.Tensor] = None, *,
+                  out_dtype: Optional[torch.dtype] = None, is_vnni: bool = True) -> torch.Tensor:
+    """FP8 W8A16 linear (``fp8_scaled_mm_cpu``): e4m3 weights decoded exactly, each
+    ``[block_n, block_k]`` block multiplied by its scale; activations stay 16-bit.
+
+    Args:
+        mat1: ``[M, K]`` bfloat16 or float16.
+        mat2: float8_e4m3fn ``[N, K]`` from :func:`convert_weight_packed` (``is_vnni=False``:
+            unpacked, packed on every call).
+        scales2: float32 ``[ceil(N / block_n), ceil(K / block_k)]`` (DeepSeek's
+            ``weight_scale_inv``: multiplied).
+        block_size: ``[block_n, block_k]``; any ``block_n >= 1``, any even ``block_k``.
+        bias: optional ``[N]``.
+        out_dtype: must be mat1's dtype (the default), as in SGLang.
+    """
+    out_dtype = mat1.dtype if out_dtype is None else out_dtype
+    return torch.ops.cpumoe.fp8_scaled_mm_cpu(mat1, mat2, scales2, list(block_size), bias,
+                                              out_dtype, is_vnni)
+
+
+def int4_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_zeros: torch.Tensor,
+                   w_scales: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """INT4 W4A8 linear (``int4_scaled_mm_cpu``) on an AWQ or GPTQ weight: rows of ``x``
+    quantized to int8 inside the op, ``(nibble - zero) * scale`` weights per group.
+
+    Args:
+        x: ``[M, K]`` bfloat16 or float16.
+        w, w_zeros, w_scales: the packed weight, zero points and scales that
+            :func:`convert_weight_packed_scale_zp` returns for one ``[K, N]`` checkpoint
+            (in that order: it returns ``(w, w_zeros, w_scales)``); ``N = w_scales.size(0) * 32``.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[M, N]`` in x's dtype.
+    """
+    return torch.ops.cpumoe.int4_scaled_mm_cpu(x, w, w_zeros, w_scales, bias)

@@ -9,6 +9,9 @@ describes, with unpacked weights, and reproduces its rounding points:
 * the topk weight applied after w2 (and after its bias), in float32;
 * the sum over the topk slots, and any residual, in float32, rounded once.
 
+The dense linear ops (``weight_packed_linear`` ...) are the first GEMM of an expert on all
+rows, plus bias, with one rounding.
+
 INT8 W8A8 (moe_comp_method=1) quantizes each GEMM input row to int8 on the fly
 (:func:`quantize_rows_int8`), multiplies exactly in integers and dequantizes with
 ``(acc * row_scale) * channel_scale`` in fp32 — the kernels' exact operation order.
@@ -391,6 +394,53 @@ def shared_expert(
     if fused_experts_out is not None:
         y = y + routed_scaling_factor * fused_experts_out.float()
     return y.to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Dense linear ops (weight_packed_linear, int8_scaled_mm_with_quant, fp8_scaled_mm_cpu,
+# int4_scaled_mm_cpu): the first GEMM of an expert (as in fused_experts) on all rows of x,
+# then ``+ bias`` in float32 and one rounding to x's dtype. Weights unpacked, [N, K].
+
+
+def _linear_out(h: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    """h [M, N] fp32 plus the fp32 bias, rounded once to the activation dtype."""
+    if bias is not None:
+        h = h + bias.float()[None, :]
+    return h.to(dtype)
+
+
+def weight_packed_linear(mat1: torch.Tensor, mat2: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference of ``weight_packed_linear``: ``mat1 [M, K] @ mat2 [N, K].T`` in fp32
+    (products of 16-bit values are exact), ``+ bias``, rounded to mat1's dtype."""
+    return _linear_out(mat1.float() @ mat2.float().t(), bias, mat1.dtype)
+
+
+def int8_scaled_mm_with_quant(mat1: torch.Tensor, mat2: torch.Tensor, scales2: torch.Tensor,
+                              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference of ``int8_scaled_mm_with_quant``: rows of mat1 quantized
+    (:func:`quantize_rows_int8`), the exact integer GEMM with int8 ``mat2 [N, K]`` dequantized
+    by :func:`int8_linear` (the kernels' order: bit-exact), ``+ bias``, rounded."""
+    q, s = quantize_rows_int8(mat1.float())
+    return _linear_out(int8_linear(q, s, mat2, scales2), bias, mat1.dtype)
+
+
+def fp8_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scales2: torch.Tensor,
+                  block_size: list, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference of ``fp8_scaled_mm_cpu``: float8_e4m3fn ``mat2 [N, K]`` times its block
+    scales (:func:`dequantize_fp8_blocks`), an fp32 GEMM, ``+ bias``, rounded."""
+    w = dequantize_fp8_blocks(mat2, scales2, *block_size)
+    return _linear_out(mat1.float() @ w.t(), bias, mat1.dtype)
+
+
+def int4_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_zeros: torch.Tensor,
+                   w_scales: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference of ``int4_scaled_mm_cpu`` with the unpacked weight of
+    :func:`unpack_int4_checkpoint` (nibbles ``w [N, K]``, zero points and scales ``[N, G]``):
+    rows of x quantized, :func:`int4_linear` (the kernels' order: bit-exact), ``+ bias``,
+    rounded."""
+    q, s = quantize_rows_int8(x.float())
+    return _linear_out(int4_linear(q, s, w, w_zeros, w_scales), bias, x.dtype)
 
 
 def pack_vnni2(weight: torch.Tensor) -> torch.Tensor:

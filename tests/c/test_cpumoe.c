@@ -24,9 +24,13 @@
  *                  fused shared experts, scaling, padding rows, fp32/bf16/fp16 logits and
  *                  bias; every tier bit for bit against scalar, threads against serial;
  *                  its rejected problems (in the errors section).
+ *   linear         the dense linear (cpumoe_linear) of every scheme against the same
+ *                  double-precision matvec plus bias: M = 1, tails, two chunks; every tier
+ *                  bit for bit against scalar, threads against serial, exact workspaces, M = 0;
+ *                  its rejected problems (in the errors section).
  *   ISA, probes    tier names, cap, reason and feature strings; probe checksums and counts.
  *
- * Tiers: the sections that name a tier (fused, probes) run once per tier under test; the
+ * Tiers: the sections that name a tier (fused, linear, probes) run once per tier under test; the
  * others run with the best tier under test active. A check counts for the tier under test
  * when it is made, and each tier under test gets one line, `tier <name> (native|emulated):
  * <N> checks, <F> failed`, before the summary line. Which tiers are under test depends on
@@ -42,8 +46,8 @@
  *       so and passes.
  *
  * Exits 1 on any failure. Optional arguments: the name of one section to run (packers,
- * fused, errors, sizes, isa, probes, gating); -v prints each case's error; --emulate-all (emulating
- * build only).
+ * fused, errors, sizes, isa, probes, gating, linear); -v prints each case's error; --emulate-all
+ * (emulating build only).
  */
 #include <math.h>
 #include <pthread.h>
@@ -1155,6 +1159,267 @@ static void test_fused_errors(void) {
   free_data(&d);
 }
 
+/* ---- dense linear (cpumoe_linear) ----------------------------------------------------
+ * One packed weight [N, K] per case, made as the single expert of a fused case's w1
+ * (make_weights); the reference is matvec (which quantizes x for INT8 and INT4 as
+ * documented) plus bias, in double, rounded nowhere. */
+
+typedef struct linear_case {
+  const char *name;
+  cpumoe_scheme scheme;
+  cpumoe_dtype act;
+  int64_t M, K, N;
+  int64_t b1, b2; /* FP8: block_n, block_k; INT4: group (b1) */
+  int bias;
+} linear_case;
+
+/* 1030 and 1100 rows are two chunks; INT4 group 4 makes blocks of 4 k; FP8 blocks that
+ * divide neither dimension. */
+/* clang-format off */
+static const linear_case g_linear_cases[] = {
+  /* name               scheme   act     M     K    N   b1  b2  bias */
+  {"bf16 decode",       UNQUANT, BF16,    1,  64,  96,  0,  0, 1},
+  {"fp16 tails",        UNQUANT, F16,    61,  96, 160,  0,  0, 1},
+  {"bf16 2 chunks",     UNQUANT, BF16, 1100,  32,  64,  0,  0, 0},
+  {"int8 decode",       INT8,    BF16,    1,  96,  64,  0,  0, 1},
+  {"int8 rows",         INT8,    F16,    50, 160,  32,  0,  0, 0},
+  {"fp8 decode",        FP8,     BF16,    2,  96,  96, 32, 64, 1},
+  {"fp8 odd blocks",    FP8,     F16,    37, 160,  64, 48,  6, 1},
+  {"int4 decode",       INT4,    BF16,    1, 256,  64, 128, 0, 1},
+  {"int4 group 4",      INT4,    F16,    29,  96, 160,  4,  0, 0},
+  {"int4 2 chunks",     INT4,    BF16, 1030,  64,  32, 32,  0, 1},
+};
+/* clang-format on */
+
+typedef struct linear_data {
+  cpumoe_linear_problem p;
+  const linear_case *c;
+  moe_case weights_case; /* the case make_weights and matvec read: one expert */
+  matrix w;              /* [N, K] */
+  uint16_t *x, *out;
+  float *bias;
+  double *expected; /* [M, N] unrounded */
+} linear_data;
+
+static void make_linear_data(const linear_case *c, linear_data *d) {
+  memset(d, 0, sizeof *d);
+  d->c = c;
+  const int64_t M = c->M, K = c->K, N = c->N;
+  d->weights_case = (moe_case){.name = c->name,
+                               .scheme = c->scheme,
+                               .act = c->act,
+                               .M = M,
+                               .K = K,
+                               .N = N,
+                               .E = 1,
+                               .topk = 1,
+                               .b1 = c->b1,
+                               .b2 = c->b2};
+  d->w = (matrix){.rows = N, .cols = K, .group = c->b1};
+  make_weights(&d->weights_case, &d->w);
+  d->x = xmalloc(2 * (size_t)(M * K) + 2);
+  d->out = xmalloc(2 * (size_t)(M * N) + 2);
+  for (int64_t i = 0; i < M * K; i++) d->x[i] = act_bits(c->act, rnd_uniform(-1.0, 1.0));
+  if (c->bias) {
+    d->bias = xmalloc(sizeof(float) * (size_t)N);
+    for (int64_t n = 0; n < N; n++) d->bias[n] = (float)rnd_uniform(-0.5, 0.5);
+  }
+  d->p = (cpumoe_linear_problem){
+      .M = M,
+      .K = K,
+      .N = N,
+      .scheme = c->scheme,
+      .act_dtype = c->act,
+      .x = d->x,
+      .w = d->w.packed,
+      .w_scale = d->w.packed_scale,
+      .block_n = c->scheme == FP8 ? c->b1 : 0,
+      .block_k = c->scheme == FP8 ? c->b2 : 0,
+      .w_zero = d->w.packed_zero,
+      .w_group = c->scheme == INT4 ? c->b1 : 0,
+      .bias = d->bias,
+      .out = d->out,
+  };
+  d->expected = xmalloc(sizeof(double) * (size_t)(M * N));
+  double *row = xmalloc(sizeof(double) * (size_t)K);
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t k = 0; k < K; k++) row[k] = act_value(c->act, d->x[m * K + k]);
+    double *e = d->expected + m * N;
+    matvec(&d->weights_case, &d->w, 0, row, e);
+    for (int64_t n = 0; n < N; n++) e[n] += d->bias ? d->bias[n] : 0.0;
+  }
+  free(row);
+}
+
+static void free_linear_data(linear_data *d) {
+  free_matrix(&d->w);
+  free(d->x), free(d->out), free(d->bias), free(d->expected);
+}
+
+/* cpumoe_linear with a fresh workspace of exactly the size asked for, `offset` bytes into
+ * a garbage-filled block; out starts as NaNs. */
+static cpumoe_status run_linear(linear_data *d, const cpumoe_runner *runner, size_t offset) {
+  const size_t bytes = cpumoe_linear_workspace_size(&d->p);
+  CHECK(bytes > 0, "%s: linear workspace size 0 for a valid problem (%s)", d->c->name,
+        cpumoe_last_error());
+  char *block = xmalloc(bytes + offset);
+  memset(block, 0xff, bytes + offset);
+  memset(d->out, 0xff, 2 * (size_t)(d->c->M * d->c->N));
+  const cpumoe_status st = cpumoe_linear(&d->p, block + offset, bytes, runner);
+  free(block);
+  return st;
+}
+
+static double linear_relative_error(const linear_data *d) {
+  const int64_t n = d->c->M * d->c->N;
+  double scale = 1e-3, worst = 0.0;
+  for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(d->expected[i]));
+  for (int64_t i = 0; i < n; i++) {
+    const double err = fabs(act_value(d->c->act, d->out[i]) - d->expected[i]) / scale;
+    if (!(err <= worst)) worst = err; /* NaN sticks */
+  }
+  return worst;
+}
+
+static void test_linear_case(const linear_case *c) {
+  linear_data d;
+  make_linear_data(c, &d);
+  const size_t out_bytes = 2 * (size_t)(c->M * c->N);
+  const double tol = tolerance(&d.weights_case);
+  uint16_t *first = NULL; /* the scalar tier's bits */
+  cpumoe_status first_status = CPUMOE_OK;
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    use_tier((cpumoe_isa)isa);
+    const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    if (!first && isa != CPUMOE_ISA_SCALAR) { /* scalar's bits, counting for no tier */
+      first = xmalloc(out_bytes);
+      cpumoe_set_isa_cap(CPUMOE_ISA_SCALAR);
+      const size_t bytes = cpumoe_linear_workspace_size(&d.p);
+      char *ws = xmalloc(bytes);
+      first_status = cpumoe_linear(&d.p, ws, bytes, NULL);
+      free(ws);
+      memcpy(first, d.out, out_bytes);
+      cpumoe_set_isa_cap(g_tier);
+    }
+    cpumoe_status st = run_linear(&d, NULL, 0);
+    CHECK(st == CPUMOE_OK, "linear %s [%s]: status %d (%s)", c->name, tier, (int)st,
+          cpumoe_last_error());
+    const double err = linear_relative_error(&d);
+    if (g_verbose)
+      printf("  linear %-16s %-7s max error %.2e of scale (tolerance %.1e)\n", c->name, tier, err,
+             tol);
+    CHECK(err <= tol, "linear %s [%s]: error %.3g of the output scale > %.3g", c->name, tier, err,
+          tol);
+    if (!first) {
+      first = xmalloc(out_bytes);
+      memcpy(first, d.out, out_bytes);
+    } else {
+      CHECK(first_status == CPUMOE_OK && (!same_bits_expected((cpumoe_isa)isa, CPUMOE_ISA_SCALAR) ||
+                                          memcmp(first, d.out, out_bytes) == 0),
+            "linear %s: tier %s differs from scalar (scalar's status %d)", c->name, tier,
+            (int)first_status);
+    }
+    uint16_t *serial = xmalloc(out_bytes);
+    memcpy(serial, d.out, out_bytes);
+    g_runner_stats = (runner_stats){0, 0};
+    st = run_linear(&d, &g_threads, 1);
+    CHECK(st == CPUMOE_OK && memcmp(serial, d.out, out_bytes) == 0,
+          "linear %s [%s]: threaded run differs from serial (status %d)", c->name, tier, (int)st);
+    CHECK(g_runner_stats.calls > 0, "linear %s: the runner was never used", c->name);
+    free(serial);
+  }
+  use_tier(g_home);
+  free(first);
+  free_linear_data(&d);
+}
+
+static void test_linear(void) {
+  for (size_t i = 0; i < sizeof g_linear_cases / sizeof g_linear_cases[0]; i++)
+    test_linear_case(&g_linear_cases[i]);
+
+  /* M = 0: nothing to do for any scheme; NULL x allowed, nothing written */
+  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8, INT4};
+  float scale = 1.0f;
+  int8_t zero = 0;
+  uint16_t sentinel = 0x1234;
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+    const cpumoe_linear_problem p = {.M = 0,
+                                     .K = 32,
+                                     .N = 32,
+                                     .scheme = schemes[i],
+                                     .act_dtype = F16,
+                                     .w_scale = &scale,
+                                     .block_n = 128,
+                                     .block_k = 128,
+                                     .w_zero = &zero,
+                                     .w_group = 32,
+                                     .out = &sentinel};
+    const size_t bytes = cpumoe_linear_workspace_size(&p);
+    CHECK(bytes > 0, "linear M=0 scheme %d: workspace size 0 (%s)", (int)schemes[i],
+          cpumoe_last_error());
+    void *ws = xmalloc(bytes);
+    CHECK(cpumoe_linear(&p, ws, bytes, &g_threads) == CPUMOE_OK && sentinel == 0x1234,
+          "linear M=0 scheme %d failed or wrote (%s)", (int)schemes[i], cpumoe_last_error());
+    free(ws);
+  }
+}
+
+static void test_linear_errors(void) {
+  linear_data d;
+  make_linear_data(&g_linear_cases[0], &d); /* bf16, M = 1, K = 64, N = 96, bias */
+  const cpumoe_linear_problem good = d.p;
+  cpumoe_linear_problem p;
+  const size_t bytes = cpumoe_linear_workspace_size(&good);
+  char *ws = xmalloc(bytes);
+  float scale = 1.0f;
+  int8_t zero = 0;
+
+#define REJECT_LINEAR(what, mutation, status, needle)                                      \
+  do {                                                                                     \
+    p = good;                                                                              \
+    mutation;                                                                              \
+    CHECK(cpumoe_linear_workspace_size(&p) == 0, "linear %s: workspace size not 0", what); \
+    CHECK_ERROR(what, cpumoe_linear(&p, ws, bytes, NULL), status, needle);                 \
+  } while (0)
+
+  CHECK(cpumoe_linear_workspace_size(NULL) == 0, "linear NULL problem: workspace size not 0");
+  CHECK_ERROR("linear NULL problem", cpumoe_linear(NULL, ws, bytes, NULL), CPUMOE_EINVAL, "NULL");
+  REJECT_LINEAR("linear M<0", p.M = -1, CPUMOE_EINVAL, "M must");
+  REJECT_LINEAR("linear K=0", p.K = 0, CPUMOE_EINVAL, "K=0");
+  REJECT_LINEAR("linear N<0", p.N = -32, CPUMOE_EINVAL, "N=-32");
+  REJECT_LINEAR("linear K%32", p.K = 48, CPUMOE_EUNSUPPORTED, "K=48");
+  REJECT_LINEAR("linear N%32", p.N = 80, CPUMOE_EUNSUPPORTED, "N=80");
+  REJECT_LINEAR("linear K>2^30", p.K = INT64_C(1) << 31, CPUMOE_EUNSUPPORTED, "2^30");
+  REJECT_LINEAR("linear bytes", (p.M = INT64_C(1) << 62, p.K = 1024), CPUMOE_EINVAL, "bytes");
+  REJECT_LINEAR("linear scheme", p.scheme = (cpumoe_scheme)99, CPUMOE_EUNSUPPORTED, "99");
+  REJECT_LINEAR("linear act dtype", p.act_dtype = F32, CPUMOE_EINVAL, "activations");
+  REJECT_LINEAR("linear x NULL", p.x = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT_LINEAR("linear w NULL", p.w = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT_LINEAR("linear out NULL", p.out = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT_LINEAR("linear int8 no scale", p.scheme = INT8, CPUMOE_EINVAL, "w1_scale");
+  REJECT_LINEAR("linear int8 K>65536", (p.scheme = INT8, p.w_scale = &scale, p.K = 65568),
+                CPUMOE_EUNSUPPORTED, "65568");
+  REJECT_LINEAR("linear fp8 block_k odd",
+                (p.scheme = FP8, p.w_scale = &scale, p.block_n = 32, p.block_k = 7),
+                CPUMOE_EUNSUPPORTED, "7]");
+  REJECT_LINEAR("linear int4 no zeros", (p.scheme = INT4, p.w_scale = &scale, p.w_group = 32),
+                CPUMOE_EINVAL, "w1_zero");
+  REJECT_LINEAR("linear int4 group 6",
+                (p.scheme = INT4, p.w_scale = &scale, p.w_zero = &zero, p.w_group = 6),
+                CPUMOE_EUNSUPPORTED, "group sizes 6");
+#undef REJECT_LINEAR
+
+  CHECK_ERROR("linear workspace NULL", cpumoe_linear(&good, NULL, bytes, NULL), CPUMOE_EWORKSPACE,
+              "workspace");
+  CHECK_ERROR("linear workspace short", cpumoe_linear(&good, ws, bytes - 1, NULL),
+              CPUMOE_EWORKSPACE, "workspace");
+  CHECK(cpumoe_linear(&good, ws, bytes, NULL) == CPUMOE_OK, "linear exact workspace: %s",
+        cpumoe_last_error());
+  free(ws);
+  free_linear_data(&d);
+}
+
 /* ---- sizes whose products overflow --------------------------------------------------- */
 
 static void test_sizes(void) {
@@ -1758,6 +2023,8 @@ int main(int argc, char **argv) {
       {"probes", test_probes},
       {"gating", test_gating},
       {"errors", test_gating_errors},
+      {"linear", test_linear},
+      {"errors", test_linear_errors},
   };
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines survive a sanitizer abort */
   const char *only = NULL;

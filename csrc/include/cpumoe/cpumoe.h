@@ -4,6 +4,7 @@
  * Everything the PyTorch binding calls, usable from plain C programs:
  *   - enums for dtypes, weight schemes, activations, ISA tiers and status codes;
  *   - the MoE problem description and its two entry points (workspace size, run);
+ *   - the dense linear (one packed weight, the MoE's kernels) with its two entry points;
  *   - the routing (gating) problem before the experts, with its two entry points;
  *   - the weight packers (byte layouts in docs/FORMATS.md);
  *   - the parallel-for hook through which the caller supplies threads;
@@ -152,6 +153,43 @@ size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *problem);
 /* Runs the fused MoE. `workspace` needs no particular alignment or content. */
 cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *workspace,
                                    size_t workspace_bytes, const cpumoe_runner *runner);
+
+/* ---- dense linear ------------------------------------------------------------------
+ * out[m] = round16(W @ x[m] + bias) for one packed weight W [N, K] (SGLang's
+ * weight_packed_linear, int8_scaled_mm_with_quant, fp8_scaled_mm_cpu, int4_scaled_mm_cpu):
+ * the first GEMM of cpumoe_fused_experts on a single expert, with its kernels and its bits.
+ * W @ x[m] in fp32 (INT8/INT4: x[m] quantized per row to int8 first, as fused_experts does),
+ * plus bias in fp32, then one rounding to the activation dtype (docs/MATH.md). */
+typedef struct cpumoe_linear_problem {
+  int64_t M; /* rows of x (>= 0) */
+  int64_t K; /* input features, multiple of 32, <= 2^30 */
+  int64_t N; /* output features, multiple of 32, <= 2^30 */
+  /* Every tensor's byte count must fit in ptrdiff_t (else CPUMOE_EINVAL). */
+  cpumoe_scheme scheme;
+  cpumoe_dtype act_dtype; /* BF16 or F16: x and out */
+  const void *x;          /* [M, K] act_dtype */
+  /* packed [N, K] in the scheme's layout (docs/FORMATS.md), as one expert of
+   * cpumoe_fused_experts' w1; INT4: [N/32, K/bk, 16*bk + 128] bytes, bk = min(w_group, 128) */
+  const void *w;
+  /* INT8_W8A8: fp32 [N] per output channel; FP8_W8A16: fp32 [ceil(N/block_n),
+   * ceil(K/block_k)]; INT4_W4A8: fp32 [N/32, K/w_group, 32] from cpumoe_pack_int4 */
+  const float *w_scale;
+  int64_t block_n, block_k; /* FP8_W8A16, as in cpumoe_moe_problem */
+  const int8_t *w_zero;     /* INT4_W4A8: int8 [N/32, K/w_group, 32] */
+  int64_t w_group;          /* INT4_W4A8: group size, as cpumoe_moe_problem's w1_group */
+  const float *bias;        /* [N] or NULL */
+  void *out;                /* [M, N] act_dtype; must not overlap x */
+} cpumoe_linear_problem;
+
+/* Bytes of workspace cpumoe_linear needs for this problem with the active ISA tier; 0 when
+ * the problem is invalid (see cpumoe_last_error). */
+size_t cpumoe_linear_workspace_size(const cpumoe_linear_problem *problem);
+
+/* Runs the linear. `workspace` needs no particular alignment or content. Work is split
+ * over 32-column tiles of the output and, for many rows, over blocks of rows; results are
+ * identical for any runner. */
+cpumoe_status cpumoe_linear(const cpumoe_linear_problem *problem, void *workspace,
+                            size_t workspace_bytes, const cpumoe_runner *runner);
 
 /* ---- routing (gating) -----------------------------------------------------------
  * The router's top-k before the experts (SGLang's topk_softmax_cpu, topk_sigmoid_cpu,

@@ -165,8 +165,9 @@ cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p);
 /* every topk id in [0, E) or -1 */
 cpumoe_status cm_validate_ids(const cpumoe_moe_problem *p);
 
-/* moe/layout.c */
+/* moe/layout.c; _gemm1: the regions of the first GEMM only (the dense linear, moe/linear.c) */
 cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);
+cm_layout cm_plan_layout_gemm1(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);
 
 /* moe/route.c: counting sort of the chunk's slots by expert, then panels and blocks;
  * sets r->n_blocks */

@@ -61,8 +61,11 @@ The modules, by responsibility: :mod:`~cpumoe.bench.cli` (options, entry point, 
 :mod:`~cpumoe.bench.baselines` (the PyTorch baselines), :mod:`~cpumoe.bench.capped` (the
 eager baseline under a capped oneDNN ISA), :mod:`~cpumoe.bench.timing` (timing loops,
 interleaving), :mod:`~cpumoe.bench.report` (table, JSON, picture) and
-:mod:`~cpumoe.bench.compare` (two runs side by side). The names below are re-exported
-here, as they were importable from the single module this package replaced.
+:mod:`~cpumoe.bench.compare` (two runs side by side); ``bench routing`` and ``bench linear``
+are commands of their own (:mod:`~cpumoe.bench.routing`, :mod:`~cpumoe.bench.linear`: the
+dense linear ops against the bandwidth, the peak and torch's and vLLM's linear ops).
+The names below are re-exported here, as they were importable from the single module this
+package replaced.
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
 :func:`measure_fma_peak`, :func:`measure_bf16_peak`, :func:`measure_int8_peak`,

@@ -1,6 +1,6 @@
 """``python -m cpumoe bench``: the options (:func:`build_parser`, the ``--quick`` preset),
-the entry point (:func:`main`, which also dispatches ``compare``, ``routing`` and the capped
-baseline's worker) and the run itself (:func:`run`), step by step."""
+the entry point (:func:`main`, which also dispatches ``compare``, ``routing``, ``linear`` and
+the capped baseline's worker) and the run itself (:func:`run`), step by step."""
 
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ def _parse_threads(text: str) -> List[int]:
 # one shape, every scheme, decode / mid / prefill M, shorter timing, 1-thread scaling.
 COMPARE_COMMAND = "compare"  # python -m cpumoe bench compare A.json B.json
 ROUTING_COMMAND = "routing"  # python -m cpumoe bench routing [options]
+LINEAR_COMMAND = "linear"  # python -m cpumoe bench linear [options]
 
 QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
          "min_time": 0.3}
@@ -217,7 +218,9 @@ def build_parser(prog: str = "python -m cpumoe bench") -> argparse.ArgumentParse
                     "against the PyTorch code a user would run instead.",
         epilog=f"'{prog} {COMPARE_COMMAND} A.json B.json' sets two saved --json runs side by "
                "side instead: each case's ms in both and B/A, their geometric mean, and the "
-               f"cases found in only one ('{prog} {COMPARE_COMMAND} --help').")
+               f"cases found in only one ('{prog} {COMPARE_COMMAND} --help'). "
+               f"'{prog} {LINEAR_COMMAND}' times the dense linear ops instead "
+               f"('{prog} {LINEAR_COMMAND} --help').")
     return add_arguments(p)
 
 
@@ -241,7 +244,8 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m cpumoe bench``; returns 0 on success. ``compare A.json B.json`` as the
     first arguments sets two saved runs side by side instead (:mod:`cpumoe.bench.compare`),
-    ``routing`` times the routing ops (:mod:`cpumoe.bench.routing`)."""
+    ``routing`` times the routing ops (:mod:`cpumoe.bench.routing`), ``linear`` the dense
+    linear ops (:mod:`cpumoe.bench.linear`)."""
     argv = list(argv) if argv is not None else sys.argv[1:]
     if argv[:1] == [_WORKER_FLAG]:  # the subprocess of --baseline-isa
         return _baseline_worker(argv[1:])
@@ -249,6 +253,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return compare.main(argv[1:])
     if argv[:1] == [ROUTING_COMMAND]:
         return routing.main(argv[1:])
+    if argv[:1] == [LINEAR_COMMAND]:
+        from . import linear  # the dense linear ops (cpumoe.bench.linear)
+
+        return linear.main(argv[1:])
     parser = build_parser()
     args = resolve_arguments(parser.parse_args(argv))
     shapes = _checked_arguments(parser, args)

@@ -12,6 +12,9 @@ row's scheme:
 * ``kt``, ``kt_gptq`` (:mod:`.ktransformers`): KTransformers' bf16, llamafile Q8_0/Q4_0 and
   GPTQ int4 kernels, bf16 activations.
 
+``python -m cpumoe bench linear`` has peers of its own (:mod:`cpumoe.bench.linear`); vLLM's
+linear ops among them load from here (:mod:`.vllm_linear`).
+
 Each peer's output is compared with cpumoe's on the case's first routing before it is
 timed, within the tolerance of how it stores its weights (:class:`PeerFormat`,
 :mod:`.common` says why); one that disagrees is reported, not timed. A peer's weights are
