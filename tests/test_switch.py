@@ -77,7 +77,8 @@ def test_sglang_schemas_and_registration():
         has_scales = hasattr(torch.ops.cpumoe, "convert_scale_packed")
         names = ["fused_experts_cpu", "shared_expert_cpu", "convert_weight_packed",
                  "convert_weight_packed_scale_zp", "topk_softmax_cpu", "topk_sigmoid_cpu",
-                 "grouped_topk_cpu", "biased_grouped_topk_cpu"]
+                 "grouped_topk_cpu", "biased_grouped_topk_cpu", "weight_packed_linear",
+                 "int8_scaled_mm_with_quant", "fp8_scaled_mm_cpu", "int4_scaled_mm_cpu"]
         names += ["convert_scale_packed"] if has_scales else []
         assert sorted(s.registration.registered) == sorted(names), s.registration
         assert s.registration.left_alone == ()
@@ -241,6 +242,34 @@ def test_sglang_packers_and_routing():
         for name, args in calls:
             got, want = getattr(sg, name)(*args), getattr(cm, name)(*args)
             assert same(got, want), name
+    """)
+
+
+def test_sglang_dense_linear_ops():
+    """The four dense linear ops as SGLang's linear layers call them (positionally, packed
+    weights): cpumoe's bits."""
+    run_child("""
+        import cpumoe.sglang
+        sg, cm = torch.ops.sgl_kernel, torch.ops.cpumoe
+        M, K, N = 5, 128, 64
+        x = torch.randn(M, K).bfloat16()
+        bias = torch.randn(N)
+        w = torch.randn(N, K)
+        wb = cm.convert_weight_packed(w.bfloat16())
+        assert same(sg.weight_packed_linear(x, wb, bias, True),
+                    cm.weight_packed_linear(x, wb, bias, True))
+        w8 = cm.convert_weight_packed(w.clamp(-1, 1).mul(100).to(torch.int8))
+        s8 = torch.rand(N, 1) / 100
+        assert same(sg.int8_scaled_mm_with_quant(x, w8, s8, bias, torch.bfloat16, True),
+                    cm.int8_scaled_mm_with_quant(x, w8, s8, bias, torch.bfloat16, True))
+        wf = cm.convert_weight_packed(w.to(torch.float8_e4m3fn))
+        sf = torch.rand(2, 1)
+        assert same(sg.fp8_scaled_mm_cpu(x, wf, sf, [32, 128], None, torch.bfloat16, True),
+                    cm.fp8_scaled_mm_cpu(x, wf, sf, [32, 128], None, torch.bfloat16, True))
+        qw, qz, qs = cm.convert_weight_packed_scale_zp(
+            *cpumoe.quant.quantize_int4(w[None], 32, "awq"), 0)
+        assert same(sg.int4_scaled_mm_cpu(x, qw[0], qz[0], qs[0], bias),
+                    cm.int4_scaled_mm_cpu(x, qw[0], qz[0], qs[0], bias))
     """)
 
 

@@ -11,7 +11,10 @@ same arguments (docs/SGLANG.md, "The one-line switch"):
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``, and ``convert_scale_packed``
   (MXFP4 scales) when cpumoe has it;
 * the routing: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``, ``grouped_topk_cpu``,
-  ``biased_grouped_topk_cpu``.
+  ``biased_grouped_topk_cpu``;
+* the dense linear ops a model's other layers call on the same packed weights:
+  ``weight_packed_linear``, ``int8_scaled_mm_with_quant``, ``fp8_scaled_mm_cpu``,
+  ``int4_scaled_mm_cpu``.
 
 Precedence: SGLang's own kernels win. If the ``sgl_kernel`` package is installed it is
 imported first (so its library is loaded before ours could take a name it defines, which
@@ -94,6 +97,17 @@ SCHEMAS = {
         "Tensor correction_bias, int topk, bool renormalize, int num_expert_group, "
         "int topk_group, int num_fused_shared_experts, float? routed_scaling_factor, "
         "Tensor? num_token_non_padded) -> (Tensor, Tensor)"),
+    "weight_packed_linear": (
+        "weight_packed_linear(Tensor mat1, Tensor mat2, Tensor? bias, bool is_vnni) -> Tensor"),
+    "int8_scaled_mm_with_quant": (
+        "int8_scaled_mm_with_quant(Tensor mat1, Tensor mat2, Tensor scales2, Tensor? bias, "
+        "ScalarType out_dtype, bool is_vnni) -> Tensor"),
+    "fp8_scaled_mm_cpu": (
+        "fp8_scaled_mm_cpu(Tensor mat1, Tensor mat2, Tensor scales2, int[] block_size, "
+        "Tensor? bias, ScalarType out_dtype, bool is_vnni) -> Tensor"),
+    "int4_scaled_mm_cpu": (
+        "int4_scaled_mm_cpu(Tensor x, Tensor w, Tensor w_zeros, Tensor w_scales, Tensor? bias) "
+        "-> Tensor"),
 }
 
 # The ops whose default overload SGLang's CPU graph runner gives a fake kernel itself.
@@ -116,6 +130,10 @@ def forwards():
         "topk_sigmoid_cpu": ops.topk_sigmoid_cpu.default,
         "grouped_topk_cpu": ops.grouped_topk_cpu.default,
         "biased_grouped_topk_cpu": ops.biased_grouped_topk_cpu.default,
+        "weight_packed_linear": ops.weight_packed_linear.default,
+        "int8_scaled_mm_with_quant": ops.int8_scaled_mm_with_quant.default,
+        "fp8_scaled_mm_cpu": ops.fp8_scaled_mm_cpu.default,
+        "int4_scaled_mm_cpu": ops.int4_scaled_mm_cpu.default,
     }
     if hasattr(ops, "convert_scale_packed"):
         targets["convert_scale_packed"] = ops.convert_scale_packed.default
