@@ -22,6 +22,7 @@ TORCH_LIBRARY(cpumoe, m) {
       "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
       "Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, bool is_vnni) -> Tensor");
   m.def("convert_weight_packed(Tensor weight) -> Tensor");
+  m.def("convert_scale_packed(Tensor scale) -> Tensor");
   m.def(
       "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
       "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
@@ -53,6 +54,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
+  m.impl("convert_scale_packed", &ops::convert_scale_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
   m.impl("topk_softmax_cpu", &ops::topk_softmax_cpu);
   m.impl("topk_sigmoid_cpu", &ops::topk_sigmoid_cpu);

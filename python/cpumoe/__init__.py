@@ -5,7 +5,8 @@ Importing the package registers the ops under ``torch.ops.cpumoe``:
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
   17-argument schema: biases, GPT-OSS ``alpha``/``limit``),
 * ``shared_expert_cpu``,
-* ``convert_weight_packed``, ``convert_weight_packed_scale_zp``,
+* ``convert_weight_packed``, ``convert_scale_packed`` (MXFP4 scales),
+  ``convert_weight_packed_scale_zp``,
 * the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
   ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas) and
   ``biased_topk_cpu`` (vLLM's),
@@ -29,6 +30,7 @@ from .ops import (
     MoeCompMethod,
     biased_grouped_topk,
     biased_topk,
+    convert_scale_packed,
     convert_weight_packed,
     convert_weight_packed_scale_zp,
     fused_experts,
@@ -46,6 +48,7 @@ __all__ = [
     "biased_grouped_topk",
     "biased_topk",
     "built_isas",
+    "convert_scale_packed",
     "convert_weight_packed",
     "convert_weight_packed_scale_zp",
     "cpu_features",

@@ -15,6 +15,7 @@ class MoeCompMethod(enum.IntEnum):
     INT8_W8A8 = 1
     FP8_W8A16 = 2
     INT4_W4A8 = 3
+    MXFP4 = 4  # gpt-oss: e2m1 weights, an e8m0 scale per 32 input features
 
 
 def _tracing() -> bool:
@@ -35,8 +36,23 @@ def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     bf16/fp16: same shape and dtype, rows in blocks of 32, each ``[IC/2][32][2]``.
     Requires ``OC % 16 == 0`` and ``IC % 32 == 0``. A 2-D weight with ``OC < 16``
     returns ``weight.float().t().contiguous()`` as SGLang does.
+
+    uint8 weights are MXFP4 codes ``[..., OC, IC/2]`` (two e2m1 codes a byte, the even
+    input feature in the low nibble): same shape, rows in blocks of 32, each
+    ``[IC/2][32]`` bytes with rows ``r`` and ``16 + r`` sharing a byte
+    (docs/FORMATS.md). Requires ``OC % 32 == 0`` and ``IC % 32 == 0``. Their scales go
+    through :func:`convert_scale_packed`.
     """
     return torch.ops.cpumoe.convert_weight_packed(weight)
+
+
+def convert_scale_packed(scale: torch.Tensor) -> torch.Tensor:
+    """Packs MXFP4 e8m0 scales ``uint8 [..., OC, IC/32]`` (one exponent byte per output
+    channel and 32 input features, as a checkpoint stores them) for ``moe_comp_method=4``;
+    byte-identical to SGLang's ``convert_scale_packed``. Same shape and dtype, the rows in
+    blocks of 32 stored ``[IC/32][32]`` (docs/FORMATS.md). Requires ``OC % 32 == 0``.
+    """
+    return torch.ops.cpumoe.convert_scale_packed(scale)
 
 
 def convert_weight_packed_scale_zp(qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -94,13 +110,17 @@ def fused_experts(
         inplace: write the result into ``hidden_states`` and return it.
         moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
         w1_scale, w2_scale: INT8: fp32 per output channel; FP8: fp32 block scales with
-            ``block_size``; INT4: from :func:`convert_weight_packed_scale_zp`.
+            ``block_size``; INT4: from :func:`convert_weight_packed_scale_zp`; MXFP4: uint8
+            e8m0 ``[E, 2N, K/32]`` / ``[E, K, N/32]`` from :func:`convert_scale_packed`
+            (w1/w2 are then uint8 codes ``[E, 2N, K/2]`` / ``[E, K, N/2]``).
         w1_zero, w2_zero: INT4 only: the zero points from
             :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
-            False packs them on every call (slow, for convenience).
+            False packs them on every call (slow, for convenience). It concerns the
+            weights only: MXFP4 scales always come from :func:`convert_scale_packed`,
+            as in SGLang.
 
     Returns:
         ``[M, K]`` in the dtype of ``hidden_states``. Accumulation is float32 with

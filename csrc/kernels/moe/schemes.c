@@ -5,13 +5,15 @@
  */
 #include "moe/pipeline.h"
 
-extern const cm_scheme_traits cm_scheme_unquant, cm_scheme_int8, cm_scheme_fp8, cm_scheme_int4;
+extern const cm_scheme_traits cm_scheme_unquant, cm_scheme_int8, cm_scheme_fp8, cm_scheme_int4,
+    cm_scheme_mxfp4;
 
 static const cm_scheme_traits *const cm_schemes[CM_SCHEME_COUNT] = {
     [CPUMOE_SCHEME_UNQUANT] = &cm_scheme_unquant,
     [CPUMOE_SCHEME_INT8_W8A8] = &cm_scheme_int8,
     [CPUMOE_SCHEME_FP8_W8A16] = &cm_scheme_fp8,
     [CPUMOE_SCHEME_INT4_W4A8] = &cm_scheme_int4,
+    [CPUMOE_SCHEME_MXFP4] = &cm_scheme_mxfp4,
 };
 
 const cm_scheme_traits *cm_scheme_traits_of(cpumoe_scheme scheme) {
