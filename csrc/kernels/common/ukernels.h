@@ -419,6 +419,8 @@ void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const vo
                                   cm_prefetch);
 void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                   int32_t *, int, cm_prefetch);
+void cm_mxfp4_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const uint8_t *,
+                                   const uint8_t *, float *, int);
 void cm_amx_end_op__amx(void);
 double cm_probe_bf16_loop__amx(int64_t);
 double cm_probe_int8_loop__amx(int64_t);

@@ -189,7 +189,7 @@ static void cm_config_init__avx512(cm_tier_config *c) {
  * panels hold bf16 pairs. */
 #define CM_BF16_PAIRS_MAX_ROWS 2
 #define CM_FP8_PAIRS_MAX_ROWS 1
-#define CM_MXFP4_PAIRS_MAX_ROWS 2
+#define CM_MXFP4_PAIRS_MAX_ROWS 1
 static void cm_config_init__avx512bf16(cm_tier_config *c) {
   with_decode(&c->gemm[CM_UNQUANT][CM_BF16], CM_BF16_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
       ->kernels.unquant.gemm_decode = cm_bf16_gemm_pairs_mrx32__avx512bf16;
@@ -226,9 +226,14 @@ static void cm_config_init__amx(cm_tier_config *c) {
   cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
   fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
-  /* MXFP4 with bf16 activations: chunks decoded to bf16 (avx512's decoder), tdpbf16ps */
-  on_tiles(&c->gemm[CM_MXFP4][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.mxfp4.gemm_chunk =
-      cm_bf16_gemm_rows_mrx32__amx;
+  /* MXFP4 with bf16 activations: tdpbf16ps for every block, so a token's bits do not depend
+   * on its batch; a block of one panel decodes group by group into tile buffers (the vector
+   * kernels, with one fp32 chain per column, are bound by that chain's latency at decode),
+   * a larger one decodes each chunk once for all its panels (avx512's decoder). */
+  cm_gemm_config *mxfp4 = on_tiles(&c->gemm[CM_MXFP4][CM_BF16], CM_PANEL_BF16_ROWS);
+  mxfp4->kernels.mxfp4.gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
+  with_decode(mxfp4, CM_TILE_MR_AMX, CM_PANEL_BF16_ROWS)->kernels.mxfp4.gemm_decode =
+      cm_mxfp4_gemm_rows_mrx32__amx;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     /* the parent's VNNI kernel and its panels become the decode path */
     cm_gemm_config *g = &c->gemm[CM_INT8][act];

@@ -29,41 +29,13 @@
 #include "common/mxfp4.h"
 #include "common/tile-avx512.h"
 #include "common/ukernels.h"
+#include "schemes/mxfp4/decode-avx512.h"
 
 #define MR_DECODE 4
 /* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 8 KiB ahead, one line per
  * 64 bytes (the FP8 decode kernels' distances) */
 #define CM_MXFP4_PF_L1_BYTES 1024
 #define CM_MXFP4_PF_L2_BYTES 8192
-
-/* the code words of common/mxfp4.h twice: vpermw's 32 entries */
-static const uint16_t cm_mxfp4_words32[32]
-    __attribute__((aligned(64))) = {CM_MXFP4_CODE_WORDS, CM_MXFP4_CODE_WORDS};
-
-/* the scale words of 16 rows, each in both halves of its dword (k even and odd) */
-static inline __attribute__((always_inline)) __m512i scale_words(const uint8_t *s16) {
-  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s16));
-  const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_set1_epi32(0x8140));
-  return _mm512_or_si512(a, _mm512_slli_epi32(a, 16));
-}
-
-/* 1 when every scale of the group lies in the fast route's range: (s - min) as unsigned
- * bytes exceeds the width of the range exactly outside it */
-static inline __attribute__((always_inline)) int group_fast(const uint8_t *scales) {
-  const __m256i off = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)scales),
-                                      _mm256_set1_epi8(CM_MXFP4_FAST_MIN));
-  return _mm256_cmpgt_epu8_mask(off,
-                                _mm256_set1_epi8(CM_MXFP4_FAST_MAX - CM_MXFP4_FAST_MIN)) == 0;
-}
-
-/* one k pair's 32 bytes -> bf16 of rows 0..15 (lo) and 16..31 (hi), VNNI-2 order */
-static inline __attribute__((always_inline)) void decode_kpair(const uint8_t *bk, __m512i table,
-                                                               __m512i a_lo, __m512i a_hi,
-                                                               __m512i *lo, __m512i *hi) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bk));
-  *lo = _mm512_subs_epu16(a_lo, _mm512_permutexvar_epi16(x, table));
-  *hi = _mm512_subs_epu16(a_hi, _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), table));
-}
 
 /* the two k of a pair of bf16 VNNI-2 rows lo (columns 0..15) and hi (16..31) into the
  * tile: k even is each dword's low half, k odd its high half */
@@ -84,21 +56,22 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             float *restrict c, int accumulate) {
   __m512 acc0[MR_DECODE], acc1[MR_DECODE];
   cm_tile_load__avx512(mr, acc0, acc1, c, accumulate);
-  const __m512i table = _mm512_load_si512(cm_mxfp4_words32);
+  const __m512i table = cm_mxfp4_table__avx512();
   _Alignas(64) uint16_t exact[CM_MXFP4_GROUP * CM_NR]; /* a group outside the fast range */
   for (size_t g = 0; g < k / CM_MXFP4_GROUP; g++) {
     const uint8_t *bg = b + g * CM_MXFP4_GROUP_BYTES, *sg = scales + g * CM_NR;
     const float *ag = a + g * CM_MXFP4_GROUP * as;
     cm_mxfp4_prefetch_scales(sg, CM_MXFP4_PF_L2_BYTES);
-    if (group_fast(sg)) {
-      const __m512i a_lo = scale_words(sg), a_hi = scale_words(sg + 16);
+    if (cm_mxfp4_group_fast__avx512(sg)) {
+      const __m512i a_lo = cm_mxfp4_scale_words__avx512(sg);
+      const __m512i a_hi = cm_mxfp4_scale_words__avx512(sg + 16);
       for (size_t kp = 0; kp < CM_MXFP4_GROUP_KP; kp += 2) {
         const uint8_t *bk = bg + kp * CM_MXFP4_KP_BYTES;
         cm_prefetch_ahead(bk, CM_MXFP4_PF_L1_BYTES, CM_MXFP4_PF_L2_BYTES, 1);
         __m512i lo, hi;
-        decode_kpair(bk, table, a_lo, a_hi, &lo, &hi);
+        cm_mxfp4_decode_kpair__avx512(bk, table, a_lo, a_hi, &lo, &hi);
         fma_kpair(mr, acc0, acc1, lo, hi, ag + 2 * kp * as, as);
-        decode_kpair(bk + CM_MXFP4_KP_BYTES, table, a_lo, a_hi, &lo, &hi);
+        cm_mxfp4_decode_kpair__avx512(bk + CM_MXFP4_KP_BYTES, table, a_lo, a_hi, &lo, &hi);
         fma_kpair(mr, acc0, acc1, lo, hi, ag + (2 * kp + 2) * as, as);
       }
     } else {
@@ -127,20 +100,8 @@ void cm_mxfp4_gemm_f32acc_mrx32__avx512(size_t mr, size_t k, const void *a, size
 void cm_mxfp4_to_bf16__avx512(size_t k, const uint8_t *b, const uint8_t *scales, void *out) {
   CM_EXPECT(k % CM_MXFP4_GROUP == 0);
   uint16_t *dst = (uint16_t *)out;
-  const __m512i table = _mm512_load_si512(cm_mxfp4_words32);
-  for (size_t g = 0; g < k / CM_MXFP4_GROUP; g++) {
-    const uint8_t *bg = b + g * CM_MXFP4_GROUP_BYTES, *sg = scales + g * CM_NR;
-    uint16_t *dg = dst + g * CM_MXFP4_GROUP * CM_NR;
-    if (!group_fast(sg)) {
-      cm_mxfp4_decode_group(bg, sg, dg);
-      continue;
-    }
-    const __m512i a_lo = scale_words(sg), a_hi = scale_words(sg + 16);
-    for (size_t kp = 0; kp < CM_MXFP4_GROUP_KP; kp++) {
-      __m512i lo, hi;
-      decode_kpair(bg + kp * CM_MXFP4_KP_BYTES, table, a_lo, a_hi, &lo, &hi);
-      _mm512_storeu_si512(dg + kp * 64, lo);
-      _mm512_storeu_si512(dg + kp * 64 + 32, hi);
-    }
-  }
+  const __m512i table = cm_mxfp4_table__avx512();
+  for (size_t g = 0; g < k / CM_MXFP4_GROUP; g++)
+    cm_mxfp4_decode_group__avx512(b + g * CM_MXFP4_GROUP_BYTES, scales + g * CM_NR, table,
+                                  dst + g * CM_MXFP4_GROUP * CM_NR);
 }

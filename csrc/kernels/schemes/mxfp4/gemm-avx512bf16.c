@@ -33,6 +33,7 @@
 #include "common/mxfp4.h"
 #include "common/tile-avx512bf16.h"
 #include "common/ukernels.h"
+#include "schemes/mxfp4/decode-avx512.h"
 
 #define MR_DECODE 4
 /* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 8 KiB ahead, one line per 64
@@ -40,9 +41,8 @@
 #define CM_MXFP4_PF_L1_BYTES 1024
 #define CM_MXFP4_PF_L2_BYTES 8192
 
-/* The code words twice (vpermw's 32 entries; it also reads bit 4, the other nibble's lowest
- * bit), then the vpermb spread of each k pair of a 64-byte load: output byte 2w takes byte
- * w ^ 1 of the pair (the swap), output byte 2w + 1 is zeroed by the mask. */
+/* The vpermb spread of each k pair of a 64-byte load: output byte 2w takes byte w ^ 1 of the
+ * pair (the swap), output byte 2w + 1 is zeroed by the mask. */
 #define CM_SPREAD_PAIR(w, base) (base) + ((w) ^ 1), 0
 #define CM_SPREAD8(w, base)                                                                \
   CM_SPREAD_PAIR(w, base), CM_SPREAD_PAIR(w + 1, base), CM_SPREAD_PAIR(w + 2, base),       \
@@ -50,26 +50,9 @@
       CM_SPREAD_PAIR(w + 6, base), CM_SPREAD_PAIR(w + 7, base)
 #define CM_SPREAD32(base) \
   CM_SPREAD8(0, base), CM_SPREAD8(8, base), CM_SPREAD8(16, base), CM_SPREAD8(24, base)
-static const uint16_t cm_mxfp4_words32[32]
-    __attribute__((aligned(64))) = {CM_MXFP4_CODE_WORDS, CM_MXFP4_CODE_WORDS};
 static const uint8_t cm_mxfp4_spread[128]
     __attribute__((aligned(64))) = {CM_SPREAD32(0), CM_SPREAD32(32)};
 #define CM_LOW_BYTES 0x5555555555555555ull /* the low byte of every word */
-
-/* the scale words of 16 rows, each in both halves of its dword */
-static inline __attribute__((always_inline)) __m512i scale_words(const uint8_t *s16) {
-  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s16));
-  const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_set1_epi32(0x8140));
-  return _mm512_or_si512(a, _mm512_slli_epi32(a, 16));
-}
-
-/* 1 when every scale of the group lies in the fast route's range */
-static inline __attribute__((always_inline)) int group_fast(const uint8_t *scales) {
-  const __m256i off = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)scales),
-                                      _mm256_set1_epi8(CM_MXFP4_FAST_MIN));
-  return _mm256_cmpgt_epu8_mask(off,
-                                _mm256_set1_epi8(CM_MXFP4_FAST_MAX - CM_MXFP4_FAST_MIN)) == 0;
-}
 
 typedef struct mxfp4_decoder {
   __m512i table;            /* code words */
@@ -80,10 +63,9 @@ typedef struct mxfp4_decoder {
 /* one k pair, spread into swapped words -> bf16 pairs (k even high) of rows 0..15 and 16..31 */
 static inline __attribute__((always_inline)) void decode_spread(const mxfp4_decoder *d, __m512i x,
                                                                 __m512bh *b0, __m512bh *b1) {
-  *b0 = cm_as_bf16x32__avx512bf16(
-      _mm512_subs_epu16(d->a_lo, _mm512_permutexvar_epi16(x, d->table)));
+  *b0 = cm_as_bf16x32__avx512bf16(cm_mxfp4_lookup__avx512(d->table, d->a_lo, x));
   *b1 = cm_as_bf16x32__avx512bf16(
-      _mm512_subs_epu16(d->a_hi, _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), d->table)));
+      cm_mxfp4_lookup__avx512(d->table, d->a_hi, _mm512_srli_epi16(x, 4)));
 }
 
 /* the 64 bytes at p, loaded once (compilers fold a load into each instruction that reads it,
@@ -115,7 +97,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             float *restrict c, int accumulate) {
   __m512 p0[MR_DECODE], p1[MR_DECODE];
   cm_tile_load__avx512(mr, p0, p1, c, accumulate);
-  mxfp4_decoder d = {.table = _mm512_load_si512(cm_mxfp4_words32),
+  mxfp4_decoder d = {.table = cm_mxfp4_table__avx512(),
                      .spread0 = _mm512_load_si512(cm_mxfp4_spread),
                      .spread1 = _mm512_load_si512(cm_mxfp4_spread + 64)};
   _Alignas(64) uint16_t exact[CM_MXFP4_GROUP * CM_NR]; /* a group outside the fast range */
@@ -123,8 +105,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
     const uint8_t *bg = b + g * CM_MXFP4_GROUP_BYTES, *sg = scales + g * CM_NR;
     const uint32_t *ag = a + g * CM_MXFP4_GROUP_KP * as;
     cm_mxfp4_prefetch_scales(sg, CM_MXFP4_PF_L2_BYTES);
-    if (group_fast(sg)) {
-      d.a_lo = scale_words(sg), d.a_hi = scale_words(sg + 16);
+    if (cm_mxfp4_group_fast__avx512(sg)) {
+      d.a_lo = cm_mxfp4_scale_words__avx512(sg);
+      d.a_hi = cm_mxfp4_scale_words__avx512(sg + 16);
       for (size_t kp = 0; kp < CM_MXFP4_GROUP_KP; kp += 2) {
         const uint8_t *bk = bg + kp * CM_MXFP4_KP_BYTES;
         /* at decode the codes stream from DRAM once: more misses in flight than the L2
