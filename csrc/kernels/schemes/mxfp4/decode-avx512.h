@@ -30,13 +30,13 @@ static inline __attribute__((always_inline)) __m512i cm_mxfp4_scale_words__avx51
 }
 
 /* 1 when every scale of the group lies in the fast route's range: (s - min) as unsigned
- * bytes exceeds the width of the range exactly outside it */
+ * bytes is at most the width of the range exactly inside it */
 static inline __attribute__((always_inline)) int cm_mxfp4_group_fast__avx512(
     const uint8_t *scales) {
   const __m256i off = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)scales),
                                       _mm256_set1_epi8(CM_MXFP4_FAST_MIN));
-  return _mm256_cmpgt_epu8_mask(off,
-                                _mm256_set1_epi8(CM_MXFP4_FAST_MAX - CM_MXFP4_FAST_MIN)) == 0;
+  const __m256i width = _mm256_set1_epi8(CM_MXFP4_FAST_MAX - CM_MXFP4_FAST_MIN);
+  return _mm256_cmpge_epu8_mask(width, off) == 0xffffffffu;
 }
 
 /* words whose bits 3..0 are the codes (low nibbles; the high nibbles after a shift by 4)
