@@ -479,7 +479,8 @@ def test_pack_codes_errors(tensor, pattern):
 
 @pytest.mark.parametrize("tensor, pattern", [
     (torch.zeros(48, 2, dtype=torch.uint8),
-     r"convert_scale_packed: invalid weight out features 48 \(must be a multiple of 32\)"),
+     r"convert_scale_packed: scale has 48 rows \(the weight's out features\), which must be a "
+     r"multiple of 32"),
     (torch.zeros(32, 2, dtype=torch.float32),
      r"convert_scale_packed: expect scale to be uint8 \(e8m0 exponents\), got Float"),
     (torch.zeros(2, 2, 32, 2, dtype=torch.uint8),

@@ -52,8 +52,8 @@ at::Tensor convert_scale_packed(const at::Tensor &scale) {
               ": expect scale to be uint8 (e8m0 exponents), got ", dtype_name(scale.scalar_type()));
   TORCH_CHECK(scale.is_contiguous(), op, ": scale must be contiguous");
   const int64_t rows = scale.size(-2), groups = scale.size(-1);
-  TORCH_CHECK(rows % 32 == 0, op, ": invalid weight out features ", rows,
-              " (must be a multiple of 32)");
+  TORCH_CHECK(rows % 32 == 0, op, ": scale has ", rows,
+              " rows (the weight's out features), which must be a multiple of 32");
   at::Tensor packed = at::empty(scale.sizes(), scale.options());
   if (scale.numel() == 0) return packed;
   const cpumoe_runner runner = aten_runner();
