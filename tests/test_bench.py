@@ -218,7 +218,7 @@ def test_quick_preset_and_lists():
     n = torch.get_num_threads()
     q = parse(["--quick"])
     assert (q.shape, q.scheme, q.m, q.min_time) == (
-        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4"], [1, 64, 512], 0.3)
+        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4", "mxfp4"], [1, 64, 512], 0.3)
     assert q.threads == ([n, 1] if n > 1 else [n]) and q.quick
     # explicit options win over the preset
     q = parse(["--quick", "--m", "2", "--threads", "1", "--scheme", "int8", "--min-time", "3"])
@@ -230,9 +230,9 @@ def test_quick_preset_and_lists():
     assert parse(["--dtype", "fp16"]).scheme == ["fp16"]
     a = parse(["--m", "all", "--scheme", "all,int8", "--threads", "1,2,2"])
     assert a.m == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    assert a.scheme == ["bf16", "fp16", "int8", "fp8", "int4"] and a.threads == [2, 1]
+    assert a.scheme == ["bf16", "fp16", "int8", "fp8", "int4", "mxfp4"] and a.threads == [2, 1]
     helptext = " ".join(parser.format_help().split())
-    assert "--quick" in helptext and "--scheme bf16,int8,fp8,int4 --m 1,64,512" in helptext
+    assert "--quick" in helptext and "--scheme bf16,int8,fp8,int4,mxfp4 --m 1,64,512" in helptext
     for bad in (["--m", "0"], ["--threads", "x"], ["--scheme", "int3"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

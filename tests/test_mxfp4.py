@@ -505,6 +505,23 @@ def test_opcheck_packers_and_op():
                           (*args, kw["w1_bias"], kw["w2_bias"], kw["alpha"], kw["limit"], True))
 
 
+def test_compile_fullgraph_matches_eager():
+    """Packing codes and scales and the op, traced under torch.compile with fullgraph=True
+    (the fake kernels), give the eager bits."""
+    x, c1, s1, c2, s2, tw, ti, kw = make_case(6, 4, 2, 32, 64, "bf16", "swiglu_bias")
+
+    def layer(x, c1, s1, c2, s2, tw, ti):
+        out = cpumoe.fused_experts(x, cpumoe.convert_weight_packed(c1),
+                                   cpumoe.convert_weight_packed(c2), tw, ti, moe_comp_method=4,
+                                   w1_scale=cpumoe.convert_scale_packed(s1),
+                                   w2_scale=cpumoe.convert_scale_packed(s2), **kw)
+        return out.float()
+
+    torch._dynamo.reset()
+    got = torch.compile(layer, fullgraph=True)(x, c1, s1, c2, s2, tw, ti)
+    assert torch.equal(got, layer(x, c1, s1, c2, s2, tw, ti))
+
+
 # ---- the shared expert ---------------------------------------------------------------------
 
 
