@@ -463,14 +463,15 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
 
 
 def test_peak_kind_per_scheme_and_activation_dtype():
-    """bf16 rows and fp8 rows with bf16 activations are judged against the bf16 peak; fp16
-    rows and fp8 rows with fp16 activations against the fp32 FMA peak; int8/int4 against
-    u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
+    """bf16 rows and fp8/mxfp4 rows with bf16 activations are judged against the bf16 peak;
+    fp16 rows and fp8/mxfp4 rows with fp16 activations against the fp32 FMA peak; int8/int4
+    against u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
     expected = {("bf16", "bf16"): "bf16", ("bf16", "fp16"): "bf16",
                 ("fp16", "bf16"): "fp32_fma", ("fp16", "fp16"): "fp32_fma",
                 ("fp8", "bf16"): "bf16", ("fp8", "fp16"): "fp32_fma",
                 ("int8", "bf16"): "u8s8", ("int8", "fp16"): "u8s8",
-                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8"}
+                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8",
+                ("mxfp4", "bf16"): "bf16", ("mxfp4", "fp16"): "fp32_fma"}
     got = {(name, d): scheme.peak_kind(d) for name, scheme in bench.SCHEMES.items()
            for d in ("bf16", "fp16")}
     assert got == expected

@@ -18,6 +18,9 @@ import re
 
 import pytest
 import torch
+
+import cpumoe
+from cpumoe import quant, reference
 from cpumoe_testing import (
     BUILT_ISAS,
     DTYPES,
@@ -40,9 +43,6 @@ from cpumoe_testing import (
     use_isa,
 )
 from exact_reference import mxfp4_exact_reference
-
-import cpumoe
-from cpumoe import quant, reference
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

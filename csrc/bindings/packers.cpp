@@ -58,8 +58,7 @@ at::Tensor convert_scale_packed(const at::Tensor &scale) {
   if (scale.numel() == 0) return packed;
   const cpumoe_runner runner = aten_runner();
   check_status(cpumoe_pack_e8m0_scales(scale.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(),
-                                       scale.dim() == 3 ? scale.size(0) : 1, rows, groups,
-                                       &runner),
+                                       scale.dim() == 3 ? scale.size(0) : 1, rows, groups, &runner),
                op);
   return packed;
 }

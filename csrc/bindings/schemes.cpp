@@ -491,9 +491,9 @@ const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8
 
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype) {
   // uint8 is both INT4's dtype and MXFP4's; only MXFP4 has a dense layout to pack into
-  const auto row = std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](const SchemeTraits &s) {
-    return s.pack != nullptr && s.accepts_weight_dtype(dtype);
-  });
+  const auto row = std::find_if(
+      std::begin(kSchemes), std::end(kSchemes),
+      [&](const SchemeTraits &s) { return s.pack != nullptr && s.accepts_weight_dtype(dtype); });
   return row == std::end(kSchemes) ? nullptr : &*row;
 }
 

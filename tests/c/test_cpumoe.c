@@ -698,7 +698,7 @@ typedef struct matrix {
   void *packed;
   float *packed_scale; /* what the op gets as w*_scale */
   int8_t *packed_zero; /* INT4: what the op gets as w*_zero */
-  uint8_t *e8m0;        /* MXFP4: [E, rows, cols / 32] scales, then packed: w*_scale_e8m0 */
+  uint8_t *e8m0;       /* MXFP4: [E, rows, cols / 32] scales, then packed: w*_scale_e8m0 */
 } matrix;
 
 typedef struct moe_data {

@@ -26,9 +26,9 @@
 
 #include "common/numeric.h"
 
-#define CM_MXFP4_GROUP 32     /* k per e8m0 scale */
-#define CM_MXFP4_KP_BYTES 32  /* packed bytes of one k pair of a 32-row block */
-#define CM_MXFP4_GROUP_KP 16  /* k pairs per group */
+#define CM_MXFP4_GROUP 32    /* k per e8m0 scale */
+#define CM_MXFP4_KP_BYTES 32 /* packed bytes of one k pair of a 32-row block */
+#define CM_MXFP4_GROUP_KP 16 /* k pairs per group */
 #define CM_MXFP4_GROUP_BYTES (CM_MXFP4_GROUP_KP * CM_MXFP4_KP_BYTES) /* 512 */
 
 /* bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7) */
@@ -74,9 +74,9 @@ static inline uint16_t cm_mxfp4_scale_word(unsigned scale) {
 }
 
 /* the table above, code 0..15 */
-#define CM_MXFP4_CODE_WORDS                                                                 \
-  0xffff, 0x81c0, 0x8140, 0x8100, 0x80c0, 0x8080, 0x8040, 0x8000, 0xffff, 0x01c0, 0x0140, \
-      0x0100, 0x00c0, 0x0080, 0x0040, 0x0000
+#define CM_MXFP4_CODE_WORDS                                                                       \
+  0xffff, 0x81c0, 0x8140, 0x8100, 0x80c0, 0x8080, 0x8040, 0x8000, 0xffff, 0x01c0, 0x0140, 0x0100, \
+      0x00c0, 0x0080, 0x0040, 0x0000
 
 static inline uint16_t cm_mxfp4_code_word(unsigned code) {
   static const uint16_t words[16] = {CM_MXFP4_CODE_WORDS};

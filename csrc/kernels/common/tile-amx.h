@@ -38,8 +38,8 @@ void cm_amx_configure_tiles__amx(void);
  * other than 16 or 32 rows goes through a full-size copy. */
 #define CM_AMX_C_STRIDE (CM_NR * 4)
 
-static inline __attribute__((always_inline)) void cm_amx_load_c(int two, const void *c,
-                                                                int accumulate) {
+static inline
+    __attribute__((always_inline)) void cm_amx_load_c(int two, const void *c, int accumulate) {
   if (!accumulate) {
     _tile_zero(TC00);
     _tile_zero(TC01);

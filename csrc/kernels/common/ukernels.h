@@ -173,8 +173,7 @@ typedef void (*cm_int4_dequant_fn)(size_t mr, const int32_t *acc, const uint8_t 
  * decoded in registers; b and scales start at k = 0 of the call, k a multiple of 32 (whole
  * groups); `accumulate` = 0 starts C from +0. */
 typedef void (*cm_gemm_mxfp4_fn)(size_t mr, size_t k, const void *a_panel, size_t a_stride,
-                                 const uint8_t *b, const uint8_t *scales, float *c,
-                                 int accumulate);
+                                 const uint8_t *b, const uint8_t *scales, float *c, int accumulate);
 /* MXFP4 prefill path: dst = a chunk of k (a multiple of 32) decoded once into bf16 VNNI-2
  * [k/2][32][2], the 16-bit B tile, which the config's gemm_chunk (a cm_gemm_fn for bf16
  * weights) multiplies by every panel. */
@@ -376,7 +375,7 @@ const cm_tier_config *cm_active_config(void);
   void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t, \
                                          const uint8_t *, size_t, const int32_t *, float *, int);
 
-#define CM_DECLARE_MXFP4(tier)                                                                \
+#define CM_DECLARE_MXFP4(tier)                                                                   \
   void cm_mxfp4_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const uint8_t *, \
                                           const uint8_t *, float *, int);                        \
   void cm_mxfp4_to_bf16__##tier(size_t, const uint8_t *, const uint8_t *, void *);

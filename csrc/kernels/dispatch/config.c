@@ -67,9 +67,9 @@
                     .fold = cm_fp8_fold__##tier})
 /* MXFP4: the tier's register decode, its chunk decoder, and its bf16-weight kernel on fp32
  * panels for the decoded chunks */
-#define CM_MXFP4_KERNELS(tier)                                             \
-  ((cm_mxfp4_kernels){.gemm_decode = cm_mxfp4_gemm_f32acc_mrx32__##tier,   \
-                      .decode_chunk = cm_mxfp4_to_bf16__##tier,            \
+#define CM_MXFP4_KERNELS(tier)                                           \
+  ((cm_mxfp4_kernels){.gemm_decode = cm_mxfp4_gemm_f32acc_mrx32__##tier, \
+                      .decode_chunk = cm_mxfp4_to_bf16__##tier,          \
                       .gemm_chunk = cm_bf16_gemm_f32acc_mrx32__##tier})
 /* INT4 without a decode kernel: every block unpacks, then runs the tier's u8 x s8 GEMM */
 #define CM_INT4_UNPACK_KERNELS(tier)                                 \

@@ -13,12 +13,12 @@
  * another are A tiles (16 rows x 64 bytes at stride a_stride elements).
  *
  * Tiles, one configuration for both kernels and the tier's MXFP4 kernel (common/tile-amx.h):
- * 4 C, 2 A (rows 0..15, 16..31), 2 B (columns 0..15, 16..31). 2 A + 2 B loads feed 4 dot products per k step (32 k of bf16, 64 k of u8): the 2 x 2
- * register blocking that fits 8 tiles. A panel of up to 16 rows skips the second row
- * of tiles. Tile loads read whole 16-row tiles: rows past mr come from the next panel or
- * the A region's slack (CM_PANEL_SLACK_ROWS) and make C rows that are never stored. A
- * reduction that is not a whole number of k steps ends with one step on zero-padded copies
- * of its tail.
+ * 4 C, 2 A (rows 0..15, 16..31), 2 B (columns 0..15, 16..31). 2 A + 2 B loads feed 4 dot
+ * products per k step (32 k of bf16, 64 k of u8): the 2 x 2 register blocking that fits 8
+ * tiles. A panel of up to 16 rows skips the second row of tiles. Tile loads read whole 16-row
+ * tiles: rows past mr come from the next panel or the A region's slack (CM_PANEL_SLACK_ROWS) and
+ * make C rows that are never stored. A reduction that is not a whole number of k steps ends with
+ * one step on zero-padded copies of its tail.
  *
  * Each worker loads the configuration at its first tile kernel of an op and releases the
  * tiles when the op ends (cm_amx_end_op, the tier's end_op): ldtilecfg costs as much as a

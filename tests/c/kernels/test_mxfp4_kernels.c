@@ -160,8 +160,8 @@ typedef struct tier_kernels {
 } tier_kernels;
 
 static const tier_kernels g_tiers[] = {
-    {"scalar", CPUMOE_ISA_SCALAR, cm_mxfp4_to_bf16__scalar, cm_mxfp4_gemm_f32acc_mrx32__scalar,
-     4, cm_bf16_gemm_f32acc_mrx32__scalar},
+    {"scalar", CPUMOE_ISA_SCALAR, cm_mxfp4_to_bf16__scalar, cm_mxfp4_gemm_f32acc_mrx32__scalar, 4,
+     cm_bf16_gemm_f32acc_mrx32__scalar},
     {"avx2", CPUMOE_ISA_AVX2, cm_mxfp4_to_bf16__avx2, cm_mxfp4_gemm_f32acc_mrx32__avx2, 2,
      cm_bf16_gemm_f32acc_mrx32__avx2},
     {"avx512", CPUMOE_ISA_AVX512, cm_mxfp4_to_bf16__avx512, cm_mxfp4_gemm_f32acc_mrx32__avx512, 4,
@@ -208,9 +208,10 @@ static void check_decoders(void) {
       }
       int ok = 1;
       for (size_t k = 0; k < b->k; k++)
-        for (size_t n = 0; n < 32; n++) ok &= dst[(k / 2) * 64 + 2 * n + k % 2] == block_weight(b, n, k);
-      check(ok, which == 0 ? "decode of every code and scale" : "decode of random blocks",
-            tk->name, 0, b->k);
+        for (size_t n = 0; n < 32; n++)
+          ok &= dst[(k / 2) * 64 + 2 * n + k % 2] == block_weight(b, n, k);
+      check(ok, which == 0 ? "decode of every code and scale" : "decode of random blocks", tk->name,
+            0, b->k);
       free(dst);
     }
     printf("mxfp4 decode: %s %d checks (16 codes x 256 scales at 32 rows x 2 k parities)\n",
@@ -330,9 +331,10 @@ static void check_pairs_gemm(void) {
           free(a), free(af);
           free_block(&b);
         }
-  printf("mxfp4 gemm: avx512bf16 %d checks against the vdpbf16ps model (%d elements where it "
-         "parts from the fmaf chain)\n",
-         g_checks - checks, flushed);
+  printf(
+      "mxfp4 gemm: avx512bf16 %d checks against the vdpbf16ps model (%d elements where it "
+      "parts from the fmaf chain)\n",
+      g_checks - checks, flushed);
   /* the any-scale blocks must reach weights the instruction flushes, or they test nothing the
    * moderate ones do not */
   check(flushed > 0, "denormal weights reach the flushing", "avx512bf16", 0, 0);

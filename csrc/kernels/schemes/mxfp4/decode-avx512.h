@@ -22,8 +22,8 @@ static inline __attribute__((always_inline)) __m512i cm_mxfp4_table__avx512(void
 }
 
 /* the scale words of 16 rows, each in both halves of its dword (k even and odd) */
-static inline __attribute__((always_inline)) __m512i cm_mxfp4_scale_words__avx512(
-    const uint8_t *s16) {
+static inline __attribute__((always_inline)) __m512i
+cm_mxfp4_scale_words__avx512(const uint8_t *s16) {
   const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s16));
   const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_set1_epi32(0x8140));
   return _mm512_or_si512(a, _mm512_slli_epi32(a, 16));
@@ -42,8 +42,8 @@ static inline __attribute__((always_inline)) int cm_mxfp4_group_fast__avx512(
 /* words whose bits 3..0 are the codes (low nibbles; the high nibbles after a shift by 4)
  * -> their exact bf16 bits, given the rows' scale words */
 static inline __attribute__((always_inline)) __m512i cm_mxfp4_lookup__avx512(__m512i table,
-                                                                            __m512i scale_words,
-                                                                            __m512i x) {
+                                                                             __m512i scale_words,
+                                                                             __m512i x) {
   return _mm512_subs_epu16(scale_words, _mm512_permutexvar_epi16(x, table));
 }
 

@@ -45,8 +45,8 @@ static inline __attribute__((always_inline)) mxfp4_decoder decoder_init(void) {
   mxfp4_decoder d;
   d.low_bytes = _mm256_broadcastsi128_si256(
       _mm_packus_epi16(_mm_and_si128(w0, byte), _mm_and_si128(w1, byte)));
-  d.high_bytes = _mm256_broadcastsi128_si256(
-      _mm_packus_epi16(_mm_srli_epi16(w0, 8), _mm_srli_epi16(w1, 8)));
+  d.high_bytes =
+      _mm256_broadcastsi128_si256(_mm_packus_epi16(_mm_srli_epi16(w0, 8), _mm_srli_epi16(w1, 8)));
   return d;
 }
 
@@ -71,7 +71,8 @@ static inline __attribute__((always_inline)) void load_scales(mxfp4_decoder *d,
 /* 1 when every scale of the group lies in the fast route's range */
 static inline __attribute__((always_inline)) int group_fast(const uint8_t *scales) {
   const __m256i s = _mm256_loadu_si256((const __m256i *)scales);
-  const __m256i above = _mm256_cmpeq_epi8(_mm256_max_epu8(s, _mm256_set1_epi8(CM_MXFP4_FAST_MIN)), s);
+  const __m256i above =
+      _mm256_cmpeq_epi8(_mm256_max_epu8(s, _mm256_set1_epi8(CM_MXFP4_FAST_MIN)), s);
   const __m256i below =
       _mm256_cmpeq_epi8(_mm256_min_epu8(s, _mm256_set1_epi8((char)CM_MXFP4_FAST_MAX)), s);
   return _mm256_movemask_epi8(_mm256_and_si256(above, below)) == -1;
@@ -145,7 +146,8 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
       cm_mxfp4_decode_group(bg, sg, exact);
     for (size_t kp = 0; kp < CM_MXFP4_GROUP_KP; kp++) {
       const uint8_t *bk = bg + kp * CM_MXFP4_KP_BYTES;
-      if (kp % 2 == 0) cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 1);
+      if (kp % 2 == 0)
+        cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 1);
       __m256i v[4];
       if (fast)
         decode_kpair(&d, bk, v);

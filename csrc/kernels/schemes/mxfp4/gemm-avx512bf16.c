@@ -44,8 +44,8 @@
 /* The vpermb spread of each k pair of a 64-byte load: output byte 2w takes byte w ^ 1 of the
  * pair (the swap), output byte 2w + 1 is zeroed by the mask. */
 #define CM_SPREAD_PAIR(w, base) (base) + ((w) ^ 1), 0
-#define CM_SPREAD8(w, base)                                                                \
-  CM_SPREAD_PAIR(w, base), CM_SPREAD_PAIR(w + 1, base), CM_SPREAD_PAIR(w + 2, base),       \
+#define CM_SPREAD8(w, base)                                                                  \
+  CM_SPREAD_PAIR(w, base), CM_SPREAD_PAIR(w + 1, base), CM_SPREAD_PAIR(w + 2, base),         \
       CM_SPREAD_PAIR(w + 3, base), CM_SPREAD_PAIR(w + 4, base), CM_SPREAD_PAIR(w + 5, base), \
       CM_SPREAD_PAIR(w + 6, base), CM_SPREAD_PAIR(w + 7, base)
 #define CM_SPREAD32(base) \
@@ -124,8 +124,8 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
       cm_mxfp4_decode_group(bg, sg, exact);
       for (size_t kp = 0; kp < CM_MXFP4_GROUP_KP; kp++) {
         /* VNNI-2 memory order (k even low) -> k even high */
-        const __m512bh b0 = cm_as_bf16x32__avx512bf16(
-            _mm512_rol_epi32(_mm512_load_si512(exact + kp * 64), 16));
+        const __m512bh b0 =
+            cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_load_si512(exact + kp * 64), 16));
         const __m512bh b1 = cm_as_bf16x32__avx512bf16(
             _mm512_rol_epi32(_mm512_load_si512(exact + kp * 64 + 32), 16));
         dot_kpair(mr, p0, p1, b0, b1, ag + kp * as);
@@ -135,9 +135,9 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
   cm_tile_store__avx512(mr, p0, p1, c);
 }
 
-void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t mr, size_t k, const void *panel,
-                                           size_t a_stride, const uint8_t *b,
-                                           const uint8_t *scales, float *c, int accumulate) {
+void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t mr, size_t k, const void *panel, size_t a_stride,
+                                           const uint8_t *b, const uint8_t *scales, float *c,
+                                           int accumulate) {
   const uint32_t *a_pairs = (const uint32_t *)panel;
   CM_EXPECT(mr >= 1 && mr <= MR_DECODE);
   CM_EXPECT(k % CM_MXFP4_GROUP == 0 && a_stride >= mr);
