@@ -314,6 +314,36 @@ def test_unpacked_equals_packed_bitwise(isa, dt):
     assert torch.equal(packed, unpacked)
 
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a contiguous view one element past the start of its storage."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_unaligned_tensors_accepted(isa):
+    """Contiguous tensors that do not start on an alignment boundary (uint8 codes and
+    scales one byte off) give the bits of aligned copies, packed and packed per call; the
+    packers read them too (test_errors' version covers the other schemes)."""
+    x, c1, s1, c2, s2, tw, ti, kw = make_case(9, 4, 2, 64, 96, "bf16", "bias")
+    ps1, ps2 = cpumoe.convert_scale_packed(s1), cpumoe.convert_scale_packed(s2)
+    assert _unaligned(c1).data_ptr() % 2 == 1 and _unaligned(x).data_ptr() % 4 != 0
+
+    def fused(x, w1, w2, sc1, sc2, tw, ti, b1, b2, **extra):
+        return cpumoe.fused_experts(x, w1, w2, tw, ti, moe_comp_method=MXFP4, w1_scale=sc1,
+                                    w2_scale=sc2, w1_bias=b1, w2_bias=b2, **extra)
+
+    b1, b2 = kw["w1_bias"], kw["w2_bias"]
+    for vnni in (True, False):
+        w1, w2 = (pack(c1), pack(c2)) if vnni else (c1, c2)
+        aligned = fused(x, w1, w2, ps1, ps2, tw, ti, b1, b2, is_vnni=vnni)
+        moved = fused(*map(_unaligned, (x, w1, w2, ps1, ps2, tw, ti, b1, b2)), is_vnni=vnni)
+        assert torch.equal(moved, aligned), vnni
+    assert torch.equal(pack(_unaligned(c1)), pack(c1))
+    assert torch.equal(cpumoe.convert_scale_packed(_unaligned(s1)), ps1)
+
+
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_minus_one_ids(isa, ids_dtype):
     """-1 ids skip their slots: the result equals the call with those slots' weights 0 and
