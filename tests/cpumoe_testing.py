@@ -34,9 +34,13 @@ BUILT_ISAS = cpumoe.built_isas()  # worst first
 BEST_ISA = cpumoe.best_isa()
 
 
+_CPU_ISAS = cpumoe.supported_isas()
+
+
 def tier_supported(tier: str) -> bool:
-    """True when this CPU can run `tier` (tiers are ordered, worst first)."""
-    return BUILT_ISAS.index(tier) <= BUILT_ISAS.index(BEST_ISA)
+    """True when this CPU can run `tier`. (The tiers form a tree, so this is not a prefix
+    of BUILT_ISAS: a CPU with AVX-512 but no AVX-VNNI runs avx512 but not avx2vnni.)"""
+    return tier in _CPU_ISAS
 
 
 SUPPORTED_ISAS = [t for t in BUILT_ISAS if tier_supported(t)]

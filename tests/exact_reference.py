@@ -8,7 +8,8 @@ tolerance. They live beside the tests, not in reference.py, because the order is
 class's implementation choice: a tier of another class may differ within the scheme's
 tolerance (CROSS_CLASS_TOLERANCE in cpumoe_testing.py) and still meet the spec.
 
-* ``kernel_expf`` / ``kernel_silu_and_mul`` / ``kernel_swiglu_clamp`` and the
+* ``kernel_expf`` / ``kernel_silu_and_mul`` / ``kernel_swiglu_clamp`` /
+  ``kernel_gelu`` / ``kernel_gelu_and_mul`` / ``kernel_activate`` and the
   ``kernel_activations`` context: the activations of csrc/kernels/common/numeric.h;
 * ``kernel_sigmoid`` / ``kernel_sqrtsoftplus`` and the ``kernel_gating`` context: the
   routing scores of numeric.h, with which reference.route gives the routing ops' bits;
@@ -81,6 +82,47 @@ def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Te
     return (g * s) * (u + _f32(1.0))
 
 
+# cm_geluf of numeric.h: x Phi(x) from erfc(|x| / sqrt2) = t exp(P(t) - x^2 / 2),
+# t = 2 / (2 + |x| / sqrt2), with x^2 / 2 and P - x^2 / 2 split into rounded value and
+# exact rest. The coefficients of P, highest degree first.
+_GELU_POLY = (1.372142285e-01, -6.386329532e-01, 1.057038665e+00, -5.630434155e-01,
+              -1.908636242e-01, 6.022059545e-02, 1.448902208e-02, 3.908611834e-01,
+              9.981399775e-01, -1.265423656e+00)
+
+
+def kernel_gelu(x: torch.Tensor) -> torch.Tensor:
+    """cm_geluf: erf-GELU, x * Phi(x), in the kernels' operation order."""
+    x = x.float()
+    h = _f32(0.5) * x
+    zz = h * x
+    lo = reference.fmaf(h, x, -zz)
+    t = _f32(2.0) / (_f32(2.0) + x.abs() * _f32(0.707106781))
+    p = torch.full_like(x, _GELU_POLY[0])
+    for c in _GELU_POLY[1:]:
+        p = reference.fmaf(p, t, _f32(c))
+    s = p - zz
+    err = p - (s + zz)
+    deep = s < _f32(-64.0)
+    e = kernel_expf(torch.where(deep, s + _f32(22.1875), s))
+    q = torch.where(zz < _f32(104.0), (_f32(0.5) * t) * reference.fmaf(e, err - lo, e),
+                    _f32(0.0))
+    scale = torch.where(deep, _f32(2.312550290e-10), _f32(1.0))
+    return torch.where(x < 0, (x * q) * scale, x * (_f32(1.0) - q * scale))
+
+
+def kernel_gelu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """cm_geluf on the gate half times the up half."""
+    n = h.shape[-1] // 2
+    return kernel_gelu(h[..., :n]) * h[..., n:].float()
+
+
+def kernel_activate(h, alpha=None, limit=None, activation=None) -> torch.Tensor:
+    """reference.activate with the kernels' activations."""
+    if alpha is not None:
+        return kernel_swiglu_clamp(h, alpha, limit)
+    return kernel_gelu_and_mul(h) if activation == "gelu" else kernel_silu_and_mul(h)
+
+
 # The routing scores of numeric.h: cm_sigmoidf, and cm_sqrtsoftplusf with its log1p (the
 # Cephes logf polynomial on [1, 2] and Goldberg's correction).
 _LOG_POLY = (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
@@ -140,13 +182,14 @@ def kernel_gating():
 
 @contextlib.contextmanager
 def kernel_activations():
-    """Within the block, reference.py computes its activations with the kernels' exp."""
-    saved = reference.silu_and_mul, reference.swiglu_clamp
-    reference.silu_and_mul, reference.swiglu_clamp = kernel_silu_and_mul, kernel_swiglu_clamp
+    """Within the block, reference.py computes its activations as the kernels do."""
+    saved = reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul
+    reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul = (
+        kernel_silu_and_mul, kernel_swiglu_clamp, kernel_gelu_and_mul)
     try:
         yield
     finally:
-        reference.silu_and_mul, reference.swiglu_clamp = saved
+        reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul = saved
 
 
 def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:
@@ -175,7 +218,7 @@ def _expert_bias(bias, e):
 
 
 def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
-                         alpha=None, limit=None) -> torch.Tensor:
+                         alpha=None, limit=None, activation=None) -> torch.Tensor:
     """reference.fused_experts(..., moe_comp_method=1) in the kernels' exact order
     (slot_order_reference). The INT8 kernels must equal this bit for bit (integer GEMMs,
     every fp32 step in order)."""
@@ -183,13 +226,13 @@ def int8_exact_reference(x, w1, s1, w2, s2, tw, ti, w1_bias=None, w2_bias=None,
     def expert(rows, e):
         return reference.expert_mlp_int8(x[rows], w1[e], s1[e], w2[e], s2[e],
                                          _expert_bias(w1_bias, e), _expert_bias(w2_bias, e),
-                                         alpha, limit)
+                                         alpha, limit, activation)
 
     return slot_order_reference(x, tw, ti, expert)
 
 
 def int4_exact_reference(x, w, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
-                         limit=None) -> torch.Tensor:
+                         limit=None, activation=None) -> torch.Tensor:
     """reference.fused_experts(..., moe_comp_method=3) in the kernels' exact order
     (slot_order_reference) for the unpacked weights ``w.u1`` / ``w.u2`` of a
     cpumoe_testing.Int4Weights: the INT4 kernels must equal it bit for bit."""
@@ -198,7 +241,7 @@ def int4_exact_reference(x, w, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
     def expert(rows, e):
         return reference.expert_mlp_int4(x[rows], w1[e], z1[e], s1[e], w2[e], z2[e], s2[e],
                                          _expert_bias(w1_bias, e), _expert_bias(w2_bias, e),
-                                         alpha, limit)
+                                         alpha, limit, activation)
 
     return slot_order_reference(x, tw, ti, expert)
 
@@ -239,14 +282,14 @@ def fp8_block_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
 
 
 def fp8_expert_exact(x, w1, s1, w2, s2, block, b1=None, b2=None, alpha=None,
-                     limit=None) -> torch.Tensor:
+                     limit=None, activation=None) -> torch.Tensor:
     """One FP8 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
     the topk weight): block-scaled FMA chains (fp8_block_linear), + bias, the kernels'
     activation, rounding to x's dtype, block-scaled FMA chains, + bias."""
     h = fp8_block_linear(x, w1, s1, block)
     if b1 is not None:
         h = h + b1.float()
-    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
+    a = kernel_activate(h, alpha, limit, activation)
     a = a.to(x.dtype).float()
     y = fp8_block_linear(a, w2, s2, block)
     if b2 is not None:
@@ -255,7 +298,7 @@ def fp8_expert_exact(x, w1, s1, w2, s2, block, b1=None, b2=None, alpha=None,
 
 
 def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=None,
-                        alpha=None, limit=None) -> torch.Tensor:
+                        alpha=None, limit=None, activation=None) -> torch.Tensor:
     """reference.fused_experts(..., moe_comp_method=2) in the kernels' exact operation
     order (fp8_expert_exact, slot_order_reference). The FP8 kernels must equal this bit for
     bit."""
@@ -263,7 +306,7 @@ def fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, w1_bias=None, w2_bias=
     def expert(rows, e):
         return fp8_expert_exact(x[rows], w1[e], s1[e], w2[e], s2[e], block,
                                 _expert_bias(w1_bias, e), _expert_bias(w2_bias, e), alpha,
-                                limit)
+                                limit, activation)
 
     return slot_order_reference(x, tw, ti, expert)
 
@@ -279,8 +322,8 @@ def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
     return acc.to(x.dtype)
 
 
-def mxfp4_expert_exact(x, c1, s1, c2, s2, b1=None, b2=None, alpha=None,
-                       limit=None) -> torch.Tensor:
+def mxfp4_expert_exact(x, c1, s1, c2, s2, b1=None, b2=None, alpha=None, limit=None,
+                       activation=None) -> torch.Tensor:
     """One MXFP4 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
     the topk weight): the weights decoded exactly (reference.dequantize_mxfp4), one FMA
     chain per output element (fma_chain_matmul), + bias, the kernels' activation, rounding
@@ -288,8 +331,7 @@ def mxfp4_expert_exact(x, c1, s1, c2, s2, b1=None, b2=None, alpha=None,
     h = fma_chain_matmul(x, reference.dequantize_mxfp4(c1, s1))
     if b1 is not None:
         h = h + b1.float()
-    a = kernel_swiglu_clamp(h, alpha, limit) if alpha is not None else kernel_silu_and_mul(h)
-    a = a.to(x.dtype).float()
+    a = kernel_activate(h, alpha, limit, activation).to(x.dtype).float()
     y = fma_chain_matmul(a, reference.dequantize_mxfp4(c2, s2))
     if b2 is not None:
         y = y + b2.float()
@@ -297,13 +339,13 @@ def mxfp4_expert_exact(x, c1, s1, c2, s2, b1=None, b2=None, alpha=None,
 
 
 def mxfp4_exact_reference(x, c1, s1, c2, s2, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
-                          limit=None) -> torch.Tensor:
+                          limit=None, activation=None) -> torch.Tensor:
     """reference.fused_experts(..., moe_comp_method=4) in the kernels' exact operation order
     (mxfp4_expert_exact, slot_order_reference), for unpacked codes and scales. The MXFP4
     kernels of the fp32-chain class must equal this bit for bit."""
 
     def expert(rows, e):
         return mxfp4_expert_exact(x[rows], c1[e], s1[e], c2[e], s2[e], _expert_bias(w1_bias, e),
-                                  _expert_bias(w2_bias, e), alpha, limit)
+                                  _expert_bias(w2_bias, e), alpha, limit, activation)
 
     return slot_order_reference(x, tw, ti, expert)

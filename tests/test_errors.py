@@ -342,10 +342,10 @@ def test_int4_method_with_bf16_weights():
 
 
 def test_fp8_method_with_bf16_weights():
-    """moe_comp_method 2 (FP8 W8A16) is implemented (tests/test_fp8.py): it needs
-    block_size first, then rejects bf16 weights naming w1 and the scheme."""
-    with raises(r"missing block_size for fp8 w8a16"):
-        fused(moe_comp_method=2, w1_scale=torch.ones(E, 2 * N, 1), w2_scale=torch.ones(E, K, 1))
+    """moe_comp_method 2 (FP8 W8A16) is implemented (tests/test_fp8.py): it rejects bf16
+    weights naming w1 and the scheme, with per-tensor (no block_size) or block scales."""
+    with raises(r"w1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
+        fused(moe_comp_method=2, w1_scale=torch.ones(E), w2_scale=torch.ones(E))
     with raises(r"w1 must be Float8_e4m3fn for moe_comp_method 2 \(fp8 w8a16\), got BFloat16"):
         fused(moe_comp_method=2, w1_scale=torch.ones(E, 1, 1), w2_scale=torch.ones(E, 1, 1),
               block_size=[128, 128])
@@ -499,11 +499,12 @@ def test_shared_int8_with_bf16_weights():
         shared(use_int8_w8a8=True)
 
 
-def test_shared_fp8_needs_block_size():
-    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size it is an
-    error naming block_size; with use_int8_w8a8=True as well, an error naming both."""
-    with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
-        shared(use_fp8_w8a16=True)
+def test_shared_fp8_without_block_size():
+    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size the scales
+    are per tensor, and bf16 weights are an error naming w1; with use_int8_w8a8=True as
+    well, an error naming both."""
+    with raises(r"shared_expert_cpu: w1 must be Float8_e4m3fn for use_fp8_w8a16=True"):
+        shared(use_fp8_w8a16=True, w1_scale=torch.ones(()), w2_scale=torch.ones(()))
     with raises(r"shared_expert_cpu: use_int8_w8a8 and use_fp8_w8a16 cannot both be True"):
         shared(use_fp8_w8a16=True, use_int8_w8a8=True, block_size=[128, 128])
 
@@ -617,12 +618,13 @@ def call_fused(method=0, *, cpu_kernel=False, **over):
 
 
 def call_shared(method=0, *, cpu_kernel=False, **over):
-    """shared_expert_cpu with valid arguments of `method` (the use_*_w8a* flags), `over`
-    applied; cpu_kernel as in call_fused."""
+    """shared_expert_cpu with valid arguments of `method` (the use_*_w8a* flags; 4 sets
+    use_mxfp4, the .mxfp4 overload's flag), `over` applied; cpu_kernel as in call_fused."""
     w1, w2, kw = scheme_args(method, ())
     a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2,
                     fused_experts_out=None, routed_scaling_factor=None,
-                    use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2, **kw), over)
+                    use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2,
+                    **({"use_mxfp4": True} if method == 4 else {}), **kw), over)
     if cpu_kernel:
         return torch.ops.cpumoe.shared_expert_cpu.default.redispatch(
             CPU_KEYS, a["hidden_states"], a["w1"], a["w2"], a["fused_experts_out"],
@@ -630,6 +632,19 @@ def call_shared(method=0, *, cpu_kernel=False, **over):
             a.get("w1_scale"), a.get("w2_scale"), a.get("block_size"), True)
     return cpumoe.shared_expert(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
                                 a.pop("fused_experts_out"), a.pop("routed_scaling_factor"), **a)
+
+
+def call_fused_out(**over):
+    """fused_experts_cpu.out (vLLM's out-variant) with valid bf16 arguments, `over`
+    applied (out, hidden_states, a1_scale)."""
+    w1, w2, _ = scheme_args(0, (E,))
+    tw, ti = make_routing(M, E, TOPK)
+    a = _apply(dict(out=torch.zeros(M, K, dtype=BF16), hidden_states=torch.zeros(M, K, dtype=BF16),
+                    a1_scale=None), over)
+    torch.ops.cpumoe.fused_experts_cpu.out(a["out"], a["hidden_states"], w1, w2, tw, ti, 0, None,
+                                           None, None, None, a["a1_scale"], None, None, None,
+                                           None, None, True)
+    return a["out"]
 
 
 def call_pack(weight, *, cpu_kernel=False):
@@ -697,6 +712,10 @@ def _f2(arg, what, **over):
 
 def _s(arg, what, method=0, **over):
     return Rejected("shared", arg, what, lambda: call_shared(method, **over))
+
+
+def _o(arg, what, **over):
+    return Rejected("fused-out", arg, what, lambda: call_fused_out(**over))
 
 
 def _p(arg, what, weight_fn, section="pack"):
@@ -834,6 +853,8 @@ CATALOGUE = [
     _f("w2_bias", "shape other than [E, K]", **dict(WITH_BIAS, w2_bias=torch.zeros(E, N))),
     _f("alpha", "without limit", alpha=1.702),
     _f("limit", "without alpha", limit=7.0),
+    _f("activation", "a name other than silu or gelu", activation="relu"),
+    _f("activation", "gelu with alpha and limit", activation="gelu", alpha=1.702, limit=7.0),
     _f("w1_scale", "given for moe_comp_method 0", w1_scale=torch.ones(E, 2 * N, 1)),
     _f("w2_scale", "given for moe_comp_method 0", w2_scale=torch.ones(E, K, 1)),
     _f("w1_zero", "given for moe_comp_method 0", w1_zero=torch.zeros(E, 2 * N, 1)),
@@ -854,7 +875,9 @@ CATALOGUE = [
     _f1("w2", "not packed", w2=torch.zeros(E, K, N, dtype=torch.int8)),
     Rejected("fused-int8", "K", "K or N above 65536", _big_k_int8),
     # -- fused_experts_cpu, moe_comp_method 2 (FP8 W8A16) --------------------------------
-    _f2("block_size", "missing", block_size=DROP),
+    _f2("w1_scale", "block scales without block_size (per-tensor scales [E] expected)",
+        block_size=DROP),
+    _f2("w1_scale", "missing, without block_size", block_size=DROP, w1_scale=DROP),
     _f2("block_size", "not 2 values", block_size=[32]),
     _f2("block_size", "a value < 1", block_size=[0, 32]),
     _f2("block_size", "odd block_k", block_size=[32, 33]),
@@ -885,6 +908,13 @@ CATALOGUE = [
     _f5("w1", "shape other than [E, 2N, K / 2] (here [E, 2N, K])",
         w1=torch.zeros(E, 2 * N, K, dtype=torch.uint8)),
     _f5("w2", "not contiguous", w2=lambda a: _transposed(a["w2"])),
+    # -- fused_experts_cpu.out (vLLM's out-variant) -------------------------------------
+    _o("a1_scale", "given (vLLM's per-token activation scales of its FP8 W8A8 MoE)",
+       a1_scale=torch.ones(M, 1)),
+    _o("out", "not 2-D", out=torch.zeros(M * K, dtype=BF16)),
+    _o("out", "not contiguous", out=_transposed(torch.zeros(M, K, dtype=BF16))),
+    _o("out", "dtype other than hidden_states'", out=torch.zeros(M, K, dtype=torch.float16)),
+    _o("out", "shape other than hidden_states'", out=torch.zeros(M + 1, K, dtype=BF16)),
     # -- shared_expert_cpu ---------------------------------------------------------------
     _s("use_int8_w8a8", "use_int8_w8a8 and use_fp8_w8a16 both True", use_int8_w8a8=True,
        use_fp8_w8a16=True),
@@ -920,10 +950,21 @@ CATALOGUE = [
     _s("w2_scale", "numel other than K (use_int8_w8a8)", 1, w2_scale=torch.ones(2 * K, 1)),
     _s("w1", "not int8 (use_int8_w8a8)", 1, w1=pack(torch.zeros(2 * N, K, dtype=BF16))),
     _s("block_size", "given (use_int8_w8a8)", 1, block_size=[32, 32]),
-    _s("block_size", "missing (use_fp8_w8a16)", 2, block_size=DROP),
+    _s("w1_scale", "block scales without block_size (use_fp8_w8a16: per-tensor scale [] "
+       "expected)", 2, block_size=DROP),
     _s("w1_scale", "missing (use_fp8_w8a16)", 2, w1_scale=DROP),
     _s("w2_scale", "shape other than [ceil(K / block_n), ceil(N / block_k)] (use_fp8_w8a16)",
        2, w2_scale=torch.ones(2, 2)),
+    _s("use_mxfp4", "with use_int8_w8a8 (any two flags; .mxfp4 overload)", 1, use_mxfp4=True),
+    _s("w1_scale", "missing (use_mxfp4, .mxfp4 overload)", 4, w1_scale=DROP),
+    _s("w1", "bf16 weights with use_mxfp4 (.mxfp4 overload)", 4,
+       w1=pack(torch.zeros(2 * N, K, dtype=BF16))),
+    _s("w2_scale", "not uint8 (use_mxfp4, .mxfp4 overload)", 4,
+       w2_scale=lambda a: a["w2_scale"].float()),
+    _s("w2_scale", "shape other than [K, N / 32] (use_mxfp4, .mxfp4 overload; here [K / 2, "
+       "2 N / 32])", 4, w2_scale=torch.zeros(K // 2, 2 * N // 32, dtype=torch.uint8)),
+    _s("alpha", "without limit (.mxfp4 overload)", alpha=1.702),
+    _s("limit", "without alpha (.mxfp4 overload)", limit=7.0),
     # -- convert_weight_packed ------------------------------------------------------------
     _p("weight", "not 2-D or 3-D", lambda: torch.zeros(64, dtype=BF16)),
     _p("weight", "float32 (or another dtype without a packed layout)",
@@ -952,6 +993,8 @@ CATALOGUE = [
              lambda: call_fused(0, w1=_meta("w1"))),
     Rejected("devices", "w1_bias", "a meta tensor among CPU tensors (any optional tensor too)",
              lambda: call_fused(0, **dict(WITH_BIAS, w1_bias=lambda a: B1().to("meta")))),
+    Rejected("devices", "out", "a meta tensor among CPU tensors (fused_experts_cpu.out)",
+             lambda: call_fused_out(out=torch.zeros(M, K, dtype=BF16, device="meta"))),
     Rejected("devices", "fused_experts_out", "a meta tensor among CPU tensors",
              lambda: call_shared(0, fused_experts_out=torch.zeros(M, K, dtype=BF16,
                                                                   device="meta"),
@@ -1088,8 +1131,9 @@ CATALOGUE = [
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
     "fused-fp8": "fused_experts_cpu", "fused-mxfp4": "fused_experts_cpu",
-    "shared": "shared_expert_cpu", "pack": "convert_weight_packed",
-    "pack-scales": "convert_scale_packed", "devices": "", "int4": "",
+    "fused-out": "fused_experts_cpu", "shared": "shared_expert_cpu",
+    "pack": "convert_weight_packed", "pack-scales": "convert_scale_packed", "devices": "",
+    "int4": "",
     "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
 }
 

@@ -881,6 +881,83 @@ def test_shared_sglang_case():
 
 
 # ---------------------------------------------------------------------------------------
+# Per-tensor scales: block_size=None with one scale per matrix ([E] for the experts, []
+# for the shared expert), as SGLang's FP8 checkpoints without weight_block_size pass them.
+# It is one block covering each matrix, so it must give the bits of the block form with a
+# block that large.
+
+
+def per_tensor_block(N: int, K: int) -> tuple:
+    """A block as large as w1 [2N, K] and w2 [K, N]: one scale per matrix."""
+    big = max(2 * N, K, N)
+    return (big, big + big % 2)
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 3, 40])
+def test_per_tensor_scales(isa, M, dt):
+    E, topk, N, K = 4, 2, 64, 96
+    block = per_tensor_block(N, K)
+    x, w1, s1, w2, s2, tw, ti = make_case(M, E, topk, N, K, DTYPES[dt], block)
+    assert s1.shape == (E, 1, 1) and s2.shape == (E, 1, 1)
+    b1, b2 = make_bias(E, N, K)
+    pw1, pw2 = pack(w1), pack(w2)
+    blocked = cpumoe.fused_experts(x, pw1, pw2, tw, ti, moe_comp_method=FP8, w1_scale=s1,
+                                   w2_scale=s2, block_size=list(block), w1_bias=b1, w2_bias=b2)
+    for t1, t2 in ((s1.reshape(E), s2.reshape(E)), (s1, s2)):  # [E] and [E, 1, 1]
+        out = cpumoe.fused_experts(x, pw1, pw2, tw, ti, moe_comp_method=FP8, w1_scale=t1,
+                                   w2_scale=t2, w1_bias=b1, w2_bias=b2)
+        assert torch.equal(out, blocked)
+    ref = reference.fused_experts(x, w1, w2, tw, ti, b1, b2, moe_comp_method=FP8,
+                                  w1_scale=s1.reshape(E), w2_scale=s2.reshape(E))
+    assert_fp8_close(out, ref)
+    assert_matches_exact(out, fp8_exact_reference(x, w1, s1, w2, s2, tw, ti, block, b1, b2), FP8)
+    # unpacked weights (is_vnni=False), positionally: SGLang's 13-argument form
+    plain = torch.ops.cpumoe.fused_experts_cpu(x, w1, w2, tw, ti, False, FP8, s1.reshape(E),
+                                               s2.reshape(E), None, None, None, False)
+    unbiased = cpumoe.fused_experts(x, pw1, pw2, tw, ti, moe_comp_method=FP8, w1_scale=s1,
+                                    w2_scale=s2, block_size=list(block))
+    assert torch.equal(plain, unbiased)
+
+
+def test_per_tensor_scales_shared_expert(isa):
+    M, N, K = 5, 64, 96
+    block = per_tensor_block(N, K)
+    x, w1, s1, w2, s2, fused = make_shared(M, N, K, torch.bfloat16, block)
+    assert s1.shape == (1, 1) and s2.shape == (1, 1)
+    pw1, pw2 = pack(w1), pack(w2)
+    blocked = cpumoe.shared_expert(x, pw1, pw2, fused, 2.5, use_fp8_w8a16=True, w1_scale=s1,
+                                   w2_scale=s2, block_size=list(block))
+    for t1, t2 in ((s1.reshape(()), s2.reshape(())), (s1, s2)):  # [] and [1, 1]
+        out = cpumoe.shared_expert(x, pw1, pw2, fused, 2.5, use_fp8_w8a16=True, w1_scale=t1,
+                                   w2_scale=t2)
+        assert torch.equal(out, blocked)
+    ref = reference.shared_expert(x, w1, w2, fused, 2.5, use_fp8_w8a16=True,
+                                  w1_scale=s1.reshape(()), w2_scale=s2.reshape(()))
+    assert_fp8_close(out, ref)
+    assert_matches_exact(out, fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused, 2.5),
+                         FP8)
+
+
+def test_per_tensor_scale_errors():
+    """Without block_size the scales must be one per matrix; block-shaped scales then get
+    an error saying so (they would silently be read as something else)."""
+    with raises(r"fused_experts_cpu: w1_scale must have shape \[8\] \(one scale per matrix: "
+                r"block_size is None, so the scales are per tensor; pass block_size for block "
+                r"scales\), got \[8, 4, 2\]"):
+        fused_fp8(block_size=DROP)
+    args = fp8_valid()
+    with raises(r"w2_scale must have shape \[8\] .*got \[8, 2\]"):
+        fused_fp8(block_size=DROP, w1_scale=args["w1_scale"][:, :1, :1].contiguous(),
+                  w2_scale=torch.ones(E_, 2))
+    with raises(r"missing w1_scale for fp8 w8a16 \(block_size is None: float32 per-tensor "
+                r"scales of shape \[8\]\)"):
+        fused_fp8(block_size=DROP, w1_scale=DROP)
+    with raises(r"w1_scale must be float32, got BFloat16"):
+        fused_fp8(block_size=DROP, w1_scale=torch.ones(E_, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------
 # 6. Errors: a RuntimeError naming the argument.
 
 E_, N_, K_, M_, TOPK_ = 8, 64, 96, 4, 2
@@ -902,8 +979,10 @@ def test_errors_baseline_passes():
     assert fused_fp8().shape == (M_, K_)
 
 
-def test_missing_block_size():
-    with raises(r"fused_experts_cpu: missing block_size for fp8 w8a16"):
+def test_missing_block_size_means_per_tensor():
+    """block_size None selects per-tensor scales; the block scales then fail its shape
+    check (test_per_tensor_scale_errors has the messages)."""
+    with raises(r"fused_experts_cpu: w1_scale must have shape \[8\] \(one scale per matrix"):
         fused_fp8(block_size=DROP)
 
 
@@ -1025,7 +1104,7 @@ def test_errors_via_bias_overload():
             args["topk_ids"], False, FP8, args["w1_scale"])
     with raises(r"missing w2_scale for fp8 w8a16"):
         op(*call, None, None, None, [32, 48], b1, b2, 1.702, 7.0, True)
-    with raises(r"missing block_size for fp8 w8a16"):
+    with raises(r"w1_scale must have shape \[8\] \(one scale per matrix"):
         op(*call, args["w2_scale"], None, None, None, b1, b2, 1.702, 7.0, True)
     with raises(r"block_size\[1\] \(block_k\) = 63 must be even"):
         op(*call, args["w2_scale"], None, None, [32, 63], b1, b2, 1.702, 7.0, True)
@@ -1047,7 +1126,7 @@ def test_shared_argument_errors():
         return cpumoe.shared_expert(x, a, b, **kw)
 
     assert call().shape == (M_, K_)
-    with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
+    with raises(r"shared_expert_cpu: w1_scale must have shape \[\] \(one scale per matrix"):
         call(block=DROP)
     with raises(r"shared_expert_cpu: expect block_size to have 2 values"):
         call(block=[32])
@@ -1203,10 +1282,13 @@ def test_empty_batch(overload, inplace, vnni):
     assert out.shape == (0, K) and out.dtype == torch.float16
     if inplace:
         assert out.data_ptr() == x.data_ptr()
-    # M == 0 still validates the fp8 arguments
-    with raises(r"missing block_size for fp8 w8a16"):
+    # M == 0 still validates the fp8 arguments (without block_size: per-tensor scales, which
+    # s1 and s2, one block each here, also are)
+    assert s1.shape == (E, 1, 1)
+    with raises(r"w1_scale must have shape \[4\] \(one scale per matrix"):
         cpumoe.fused_experts(x, w1, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32),
-                             moe_comp_method=FP8, w1_scale=s1, w2_scale=s2, is_vnni=vnni)
+                             moe_comp_method=FP8, w1_scale=torch.ones(E, 2), w2_scale=s2,
+                             is_vnni=vnni)
 
 
 def test_all_tokens_one_expert(isa):

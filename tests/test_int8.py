@@ -793,12 +793,12 @@ def test_shared_both_schemes():
                              w1_scale=s1, w2_scale=s2)
 
 
-def test_shared_fp8_needs_block_size():
-    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size it is an
-    error naming block_size (before the int8 weights are looked at); with use_int8_w8a8
-    as well, an error naming both flags."""
+def test_shared_fp8_with_int8_weights():
+    """use_fp8_w8a16=True is implemented (tests/test_fp8.py): without block_size its scales
+    are per tensor, so int8 weights with per-channel scales get an error naming w1 and
+    the scheme; with use_int8_w8a8 as well, an error naming both flags."""
     x, w1, s1, w2, s2, _ = make_shared(M_, N_, K_, torch.bfloat16)
-    with raises(r"shared_expert_cpu: missing block_size for fp8 w8a16"):
+    with raises(r"shared_expert_cpu: w1 must be Float8_e4m3fn for use_fp8_w8a16=True"):
         cpumoe.shared_expert(x, pack(w1), pack(w2), use_fp8_w8a16=True, w1_scale=s1,
                              w2_scale=s2)
     with raises(r"shared_expert_cpu: use_int8_w8a8 and use_fp8_w8a16 cannot both be True"):

@@ -11,7 +11,14 @@ import pytest
 
 import cpumoe
 import cpumoe_testing
-from cpumoe_testing import BEST_ISA, BUILT_ISAS, SUPPORTED_ISAS, subprocess_env, use_isa
+from cpumoe_testing import (
+    BEST_ISA,
+    BUILT_ISAS,
+    SUPPORTED_ISAS,
+    subprocess_env,
+    tier_supported,
+    use_isa,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = "import cpumoe; print(cpumoe.isa()); print(cpumoe.isa_reason())"
@@ -35,6 +42,8 @@ def test_built_isas_and_best():
         assert "avx2" in SUPPORTED_ISAS
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"} <= feats:
         assert "avx512" in SUPPORTED_ISAS
+    if {"avx2", "fma", "f16c", "avx-vnni"} <= feats:
+        assert "avx2vnni" in SUPPORTED_ISAS
     if "avx2" not in feats:
         assert BEST_ISA == "scalar"
 
@@ -46,6 +55,7 @@ def test_skip_reason_names_the_tier_and_why(monkeypatch):
     if len(BUILT_ISAS) < 2:
         pytest.skip(f"this build has only the {BUILT_ISAS[0]} tier")
     monkeypatch.setattr(cpumoe_testing, "BEST_ISA", BUILT_ISAS[0])
+    monkeypatch.setattr(cpumoe_testing, "_CPU_ISAS", BUILT_ISAS[:1])
     top = BUILT_ISAS[-1]
     assert not cpumoe_testing.tier_supported(top)
     with pytest.raises(pytest.skip.Exception) as skipped:
@@ -78,6 +88,30 @@ def test_set_isa_above_best_falls_back():
         assert "cannot run" in cpumoe.isa_reason()
     finally:
         cpumoe.set_isa(start)
+
+
+def test_set_isa_falls_back_to_nearest_ancestor():
+    """A cap at a tier this CPU cannot run takes its nearest ancestor that runs: avx2vnni's
+    is avx2 (on a CPU with AVX-512 but no AVX-VNNI, not the better avx512)."""
+    if "avx2vnni" not in BUILT_ISAS or tier_supported("avx2vnni") or not tier_supported("avx2"):
+        pytest.skip("needs a CPU with AVX2 but without AVX-VNNI")
+    start = cpumoe.isa()
+    try:
+        cpumoe.set_isa("avx2vnni")
+        assert cpumoe.isa() == "avx2"
+        assert "cannot run" in cpumoe.isa_reason()
+    finally:
+        cpumoe.set_isa(start)
+
+
+def test_supported_isas():
+    """supported_isas() is the built tiers the CPU runs, in rank order, the best last."""
+    supported = cpumoe.supported_isas()
+    assert supported == [t for t in BUILT_ISAS if t in supported]
+    assert supported[-1] == BEST_ISA and supported[0] == "scalar"
+    for tier in supported:
+        with use_isa(tier):
+            assert cpumoe.isa() == tier
 
 
 def test_set_isa_unknown_name_raises():

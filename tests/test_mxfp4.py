@@ -555,39 +555,57 @@ def test_compile_fullgraph_matches_eager():
 # ---- the shared expert ---------------------------------------------------------------------
 
 
-def _mxfp4_shared_overload():
-    """The shared_expert_cpu overload with SGLang's newer use_mxfp4 flag, or None."""
-    op = torch.ops.cpumoe.shared_expert_cpu
-    for name in op.overloads():
-        overload = getattr(op, name)
-        if any(a.name == "use_mxfp4" for a in overload._schema.arguments):
-            return overload
-    return None
+SHARED_CASES = [(dt, act) for dt in ("bf16", "fp16") for act in ("silu", "swiglu")]
 
 
-def test_shared_expert_is_one_expert_of_fused(isa):
-    """The C core runs shared_expert_cpu as a fused MoE with one expert and one slot per
-    token: MXFP4's dense weights [2N, K/2], [K, N/2] through that path equal the reference's
-    shared expert (and a one-expert fused_experts call, bit for bit)."""
+@pytest.mark.parametrize("dt, act", SHARED_CASES, ids=lambda v: str(v))
+def test_shared_expert_is_one_expert_of_fused(isa, dt, act):
+    """shared_expert_cpu with use_mxfp4 (the .mxfp4 overload, SGLang's newer schema) runs
+    the MXFP4 row as a fused MoE with one expert and one slot per token: without
+    fused_experts_out it gives a one-expert fused_experts call's bits (the clamped swiglu
+    too), packed or packed per call; with it, the reference's mlp(x) + factor * routed."""
     M, N, K = 11, 64, 96
     c1, s1, c2, s2 = (t[0] for t in make_mxfp4_weights(1, N, K))
-    x = torch.randn(M, K).to(torch.bfloat16)
+    p1, p2 = cpumoe.convert_scale_packed(s1), cpumoe.convert_scale_packed(s2)
+    x = torch.randn(M, K).to(DTYPES[dt])
+    swiglu = dict(alpha=1.702, limit=7.0) if act == "swiglu" else {}
     tw, ti = torch.ones(M, 1), torch.zeros(M, 1, dtype=torch.int32)
-    fused = run_fused_mxfp4(x, c1[None], s1[None], c2[None], s2[None], tw, ti)
-    ref = reference.shared_expert(x, c1, c2, w1_scale=s1, w2_scale=s2, use_mxfp4=True)
-    assert_mxfp4_close(fused, ref)
-    overload = _mxfp4_shared_overload()
-    if overload is None:
-        pytest.skip("this build's shared_expert_cpu has no use_mxfp4 overload (SGLang's newer "
-                    "schema); the MXFP4 row is ready for it (csrc/bindings/schemes.cpp)")
-    factor, routed = 2.5, torch.randn(M, K).to(torch.bfloat16)
-    out = overload(hidden_states=x, w1=pack(c1), w2=pack(c2), fused_experts_out=routed,
-                   routed_scaling_factor=factor, inplace=False, use_int8_w8a8=False,
-                   use_fp8_w8a16=False, use_mxfp4=True, w1_scale=cpumoe.convert_scale_packed(s1),
-                   w2_scale=cpumoe.convert_scale_packed(s2), block_size=None, is_vnni=True)
+    fused = run_fused_mxfp4(x, c1[None], s1[None], c2[None], s2[None], tw, ti, **swiglu)
+    op = torch.ops.cpumoe.shared_expert_cpu.mxfp4
+    alpha, limit = swiglu.get("alpha"), swiglu.get("limit")
+    for vnni in (True, False):
+        w1, w2 = (pack(c1), pack(c2)) if vnni else (c1, c2)
+        out = op(x, w1, w2, None, None, False, False, False, True, p1, p2, None, alpha, limit,
+                 vnni)
+        assert torch.equal(out, fused), vnni
+    assert torch.equal(cpumoe.shared_expert(x, pack(c1), pack(c2), use_mxfp4=True,
+                                            w1_scale=p1, w2_scale=p2, **swiglu), fused)
+    assert_mxfp4_close(fused, reference.shared_expert(x, c1, c2, w1_scale=s1, w2_scale=s2,
+                                                      use_mxfp4=True, **swiglu))
+    factor, routed = 2.5, torch.randn(M, K).to(DTYPES[dt])
+    y = x.clone()
+    out = cpumoe.shared_expert(y, pack(c1), pack(c2), routed, factor, inplace=True,
+                               use_mxfp4=True, w1_scale=p1, w2_scale=p2, **swiglu)
+    assert out.data_ptr() == y.data_ptr()
     want = reference.shared_expert(x, c1, c2, routed, factor, w1_scale=s1, w2_scale=s2,
-                                   use_mxfp4=True)
+                                   use_mxfp4=True, **swiglu)
     assert_mxfp4_close(out, want)
+
+
+def test_shared_expert_rejects_mxfp4_mismatches():
+    """use_mxfp4 with another scheme's weights or without scales, and MXFP4 weights without
+    the flag, are errors naming the argument (catalogue: tests/test_errors.py)."""
+    N, K = 64, 96
+    c1, s1, c2, s2 = (t[0] for t in make_mxfp4_weights(1, N, K))
+    p1, p2 = cpumoe.convert_scale_packed(s1), cpumoe.convert_scale_packed(s2)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    with raises(r"shared_expert_cpu: .*w1_scale"):
+        cpumoe.shared_expert(x, pack(c1), pack(c2), use_mxfp4=True, w2_scale=p2)
+    with raises(r"shared_expert_cpu: w1 must be"):
+        cpumoe.shared_expert(x, pack(torch.zeros(2 * N, K).bfloat16()), pack(c2),
+                             use_mxfp4=True, w1_scale=p1, w2_scale=p2)
+    with raises(r"shared_expert_cpu: "):
+        cpumoe.shared_expert(x, pack(c1), pack(c2))  # uint8 weights, no flag
 
 
 # ---- bad inputs ----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 // Argument checks shared by every op (declared in checks.h, messages in docs/ERRORS.md).
 #include "checks.h"
 
+#include <string>
+
 namespace cpumoe::bindings {
 
 const char *dtype_name(at::ScalarType dtype) {
@@ -59,6 +61,26 @@ void check_mlp_sizes(int64_t K, int64_t N, const char *op) {
 void check_unused(const std::optional<at::Tensor> &tensor, const char *name, const char *op,
                   const char *scheme_label) {
   TORCH_CHECK(!tensor.has_value(), op, ": ", name, " must be None for ", scheme_label);
+}
+
+cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
+                                   std::optional<double> alpha, std::optional<double> limit,
+                                   const char *op) {
+  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
+              ": alpha and limit must be given together (they select the clamped swiglu "
+              "activation); got only ",
+              alpha.has_value() ? "alpha" : "limit");
+  const std::string name = activation.has_value() ? std::string(*activation) : "silu";
+  TORCH_CHECK(name == "silu" || name == "gelu", op, ": Unsupported activation '", name,
+              "' (expected 'silu' or 'gelu')");
+  if (alpha.has_value()) {
+    TORCH_CHECK(name == "silu", op,
+                ": alpha and limit select the clamped swiglu, which replaces the activation; "
+                "activation must be None or 'silu' with them, got '",
+                name, "'");
+    return CPUMOE_ACT_SWIGLU_CLAMP;
+  }
+  return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
 }
 
 }  // namespace cpumoe::bindings

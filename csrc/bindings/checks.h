@@ -1,6 +1,6 @@
 // Argument checks shared by every op: tensor placement, rank and contiguity, the activation
-// dtype, the hidden/intermediate size rules, and the translation of torch dtypes and C-core
-// status codes. Each failure is a RuntimeError that starts with the op's name and names the
+// dtype and function, the hidden/intermediate size rules, and the translation of torch dtypes and
+// C-core status codes. Each failure is a RuntimeError that starts with the op's name and names the
 // argument; the messages are listed in docs/ERRORS.md, which tests/test_errors.py keeps exact.
 #pragma once
 
@@ -32,6 +32,13 @@ cpumoe_dtype activation_dtype(const at::Tensor &hidden_states, const char *op);
 
 // The size rules of the C core's MLP: K > 0, K and N multiples of 32.
 void check_mlp_sizes(int64_t K, int64_t N, const char *op);
+
+// The activation of fused_experts_cpu and shared_expert_cpu: alpha and limit (both or
+// neither) select the clamped swiglu; otherwise `activation` names the function applied to
+// the gate half, "silu" (also for None) or "gelu".
+cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
+                                   std::optional<double> alpha, std::optional<double> limit,
+                                   const char *op);
 
 // An optional argument that `scheme_label` does not take must be None.
 void check_unused(const std::optional<at::Tensor> &tensor, const char *name, const char *op,

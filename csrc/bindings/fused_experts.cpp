@@ -1,7 +1,9 @@
-// torch.ops.cpumoe.fused_experts_cpu, both overloads (SGLang's schema, docs/SGLANG.md). The
-// scheme's row (schemes.h) checks and describes the weights and their scales; this file
-// checks what every scheme shares (hidden_states, routing, biases, activation) in the order
-// docs/ERRORS.md gives, and runs the problem.
+// torch.ops.cpumoe.fused_experts_cpu, its overloads (SGLang's three schemas and vLLM's
+// out-variant, docs/SGLANG.md). The scheme's row (schemes.h) checks and describes the weights
+// and their scales; this file checks what every scheme shares (hidden_states, routing,
+// biases, activation) in the order docs/ERRORS.md gives, and runs the problem.
+#include <ATen/MemoryOverlap.h>
+
 #include <tuple>
 
 #include "checks.h"
@@ -63,14 +65,15 @@ void check_biases(const std::optional<at::Tensor> &w1_bias,
 
 }  // namespace
 
-at::Tensor fused_experts_cpu_bias(
+at::Tensor fused_experts_cpu_activation(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
     int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
     const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
     const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
-    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni,
+    std::optional<c10::string_view> activation) {
   const char *op = "fused_experts_cpu";
   const SchemeTraits &scheme = scheme_for_method(moe_comp_method, op);
   check_dense(hidden_states, "hidden_states", op, 2);
@@ -102,14 +105,11 @@ at::Tensor fused_experts_cpu_bias(
 
   const Routing routing = check_routing(topk_weights, topk_ids, problem.M, op);
   check_biases(w1_bias, w2_bias, problem.E, problem.N, problem.K, op);
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
+  const cpumoe_activation act = parse_activation(activation, alpha, limit, op);
 
   at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   problem.topk = routing.ids.size(1);
-  problem.activation = alpha.has_value() ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL;
+  problem.activation = act;
   problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
   problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
   problem.x = hidden_states.data_ptr();
@@ -124,6 +124,19 @@ at::Tensor fused_experts_cpu_bias(
   return out;
 }
 
+at::Tensor fused_experts_cpu_bias(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni) {
+  return fused_experts_cpu_activation(
+      hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,
+      w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni, std::nullopt);
+}
+
 at::Tensor fused_experts_cpu(const at::Tensor &hidden_states, const at::Tensor &w1,
                              const at::Tensor &w2, const at::Tensor &topk_weights,
                              const at::Tensor &topk_ids, bool inplace, int64_t moe_comp_method,
@@ -135,6 +148,41 @@ at::Tensor fused_experts_cpu(const at::Tensor &hidden_states, const at::Tensor &
   return fused_experts_cpu_bias(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                                 moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero, block_size,
                                 std::nullopt, std::nullopt, std::nullopt, std::nullopt, is_vnni);
+}
+
+// vLLM's out-variant: the .bias overload's problem, written into `out`. An `out` that is
+// hidden_states itself is the inplace call; any other `out` (vLLM passes its own buffer)
+// receives a copy of the result, so it may also overlap hidden_states in part.
+void fused_experts_cpu_out(
+    const at::Tensor &out, const at::Tensor &hidden_states, const at::Tensor &w1,
+    const at::Tensor &w2, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, const std::optional<at::Tensor> &a1_scale,
+    at::OptionalIntArrayRef block_size, const std::optional<at::Tensor> &w1_bias,
+    const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
+    std::optional<double> limit, bool is_vnni) {
+  const char *op = "fused_experts_cpu";
+  TORCH_CHECK(!a1_scale.has_value(), op,
+              ": a1_scale must be None: cpumoe has no FP8 W8A8 scheme with precomputed per-token "
+              "activation scales (vLLM's); it quantizes activations itself for "
+              "moe_comp_method 1 and 3");
+  scheme_for_method(moe_comp_method, op);
+  check_dense(hidden_states, "hidden_states", op, 2);
+  const at::ScalarType dtype = hidden_states.scalar_type();
+  activation_dtype(hidden_states, op);
+  check_dense(out, "out", op, 2);
+  TORCH_CHECK(out.scalar_type() == dtype, op, ": out must have the dtype of hidden_states (",
+              dtype_name(dtype), "), got ", dtype_name(out.scalar_type()));
+  TORCH_CHECK(out.sizes() == hidden_states.sizes(), op,
+              ": out must have the shape of hidden_states ", hidden_states.sizes(), ", got ",
+              out.sizes());
+  const bool into_hidden_states =
+      at::get_overlap_status(out, hidden_states) == at::MemOverlapStatus::Full;
+  const at::Tensor result = fused_experts_cpu_bias(
+      hidden_states, w1, w2, topk_weights, topk_ids, into_hidden_states, moe_comp_method, w1_scale,
+      w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni);
+  if (!into_hidden_states) out.copy_(result);
 }
 
 }  // namespace cpumoe::bindings

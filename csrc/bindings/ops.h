@@ -32,11 +32,47 @@ at::Tensor fused_experts_cpu_bias(
     const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
     std::optional<double> alpha, std::optional<double> limit, bool is_vnni);
 
+// fused_experts_cpu.activation: SGLang's current schema, plus `activation` ("silu" when None,
+// or "gelu": erf-GELU times up).
+at::Tensor fused_experts_cpu_activation(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni,
+    std::optional<c10::string_view> activation);
+
+// fused_experts_cpu.out: vLLM's schema, writing into `out` (which may be hidden_states);
+// a1_scale (vLLM's own FP8 W8A8 activation scales) must be None.
+void fused_experts_cpu_out(
+    const at::Tensor &out, const at::Tensor &hidden_states, const at::Tensor &w1,
+    const at::Tensor &w2, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, const std::optional<at::Tensor> &a1_scale,
+    at::OptionalIntArrayRef block_size, const std::optional<at::Tensor> &w1_bias,
+    const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
+    std::optional<double> limit, bool is_vnni);
+
 at::Tensor shared_expert_cpu(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const std::optional<at::Tensor> &fused_experts_out, std::optional<double> routed_scaling_factor,
     bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, at::OptionalIntArrayRef block_size, bool is_vnni);
+
+// shared_expert_cpu.mxfp4: SGLang's newer schema (DeepSeek-V4): plus use_mxfp4 and the
+// clamped swiglu (alpha, limit).
+at::Tensor shared_expert_cpu_mxfp4(const at::Tensor &hidden_states, const at::Tensor &w1,
+                                   const at::Tensor &w2,
+                                   const std::optional<at::Tensor> &fused_experts_out,
+                                   std::optional<double> routed_scaling_factor, bool inplace,
+                                   bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                   const std::optional<at::Tensor> &w1_scale,
+                                   const std::optional<at::Tensor> &w2_scale,
+                                   at::OptionalIntArrayRef block_size, std::optional<double> alpha,
+                                   std::optional<double> limit, bool is_vnni);
 
 at::Tensor convert_weight_packed(const at::Tensor &weight);
 

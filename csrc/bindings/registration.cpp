@@ -18,9 +18,25 @@ TORCH_LIBRARY(cpumoe, m) {
       "Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, "
       "float? alpha, float? limit, bool is_vnni) -> Tensor");
   m.def(
+      "fused_experts_cpu.activation(Tensor hidden_states, Tensor w1, Tensor w2, Tensor "
+      "topk_weights, Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? "
+      "w2_scale, Tensor? w1_zero, Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? "
+      "w2_bias, float? alpha, float? limit, bool is_vnni, str? activation=None) -> Tensor");
+  // vLLM's out-variant (its CPU build's _C::fused_experts_cpu)
+  m.def(
+      "fused_experts_cpu.out(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2, Tensor "
+      "topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
+      "Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, Tensor? w1_bias, "
+      "Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()");
+  m.def(
       "shared_expert_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? fused_experts_out, "
       "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
       "Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, bool is_vnni) -> Tensor");
+  m.def(
+      "shared_expert_cpu.mxfp4(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? "
+      "fused_experts_out, float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool "
+      "use_fp8_w8a16, bool use_mxfp4, Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, "
+      "float? alpha, float? limit, bool is_vnni) -> Tensor");
   m.def("convert_weight_packed(Tensor weight) -> Tensor");
   m.def("convert_scale_packed(Tensor scale) -> Tensor");
   m.def(
@@ -52,7 +68,10 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   namespace ops = cpumoe::bindings;
   m.impl("fused_experts_cpu", &ops::fused_experts_cpu);
   m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
+  m.impl("fused_experts_cpu.activation", &ops::fused_experts_cpu_activation);
+  m.impl("fused_experts_cpu.out", &ops::fused_experts_cpu_out);
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
+  m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
   m.impl("convert_scale_packed", &ops::convert_scale_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
@@ -68,10 +87,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpumoe native helpers (the ops themselves are torch.ops.cpumoe.*)";
   m.def("active_isa", &rt::active_isa, "ISA tier the ops use");
   m.def("best_isa", &rt::best_isa, "best ISA tier this CPU and build support");
-  m.def("set_isa", &rt::set_isa, "cap the active tier (scalar, avx2, avx512)");
+  m.def("set_isa", &rt::set_isa,
+        "cap the active tier at a built tier (or its nearest ancestor this CPU runs)");
   m.def("isa_reason", &rt::isa_reason);
   m.def("cpu_features", &rt::cpu_features);
-  m.def("built_isas", &rt::built_isas);
+  m.def("built_isas", &rt::built_isas, "tiers compiled in, worst first (rank order)");
+  m.def("supported_isas", &rt::supported_isas, "the built tiers this CPU runs, worst first");
   m.def("numerics_class", &rt::numerics_class,
         "numerics class of a tier's results: tiers of one class give the same bits");
   m.def("release_workspace", &rt::release_workspace,
@@ -86,6 +107,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_fma", &rt::probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
   m.def("probe_bf16", &rt::probe_bf16,
         "bf16 ops done by `iterations` of the bf16 peak loop per thread (AMX on amx)");
+  m.def("activation_values", &rt::activation_values, pybind11::arg("name"), pybind11::arg("gate"),
+        pybind11::arg("up"), pybind11::arg("alpha") = 0.0, pybind11::arg("limit") = 0.0,
+        "the active tier's activation kernel on fp32 gate/up: silu, gelu or swiglu (tests)");
   m.def("runner_threads", &rt::runner_threads,
         "distinct OS threads that torch's runner gives `workers` workers");
 }

@@ -113,10 +113,19 @@ std::string cpu_features() {
   return cpumoe_cpu_features();
 }
 
+// Tiers in rank order, worst first (the rows of cpumoe/tiers.h; ids need not follow it).
 std::vector<std::string> built_isas() {
   std::vector<std::string> names;
-  for (int i = 0; i < CPUMOE_ISA_COUNT; ++i)
-    names.emplace_back(cpumoe_isa_name(static_cast<cpumoe_isa>(i)));
+#define CPUMOE_TIER_NAME(ENUM, ...) names.emplace_back(cpumoe_isa_name(CPUMOE_ISA_##ENUM));
+  CPUMOE_FOR_EACH_TIER(CPUMOE_TIER_NAME)
+#undef CPUMOE_TIER_NAME
+  return names;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const std::string &name : built_isas())
+    if (cpumoe_isa_native(cpumoe_isa_from_name(name.c_str()))) names.push_back(name);
   return names;
 }
 
@@ -142,6 +151,29 @@ double probe_read(const at::Tensor &buffer, int64_t passes) {
               "probe_read: contiguous CPU buffer");
   const cpumoe_runner runner = aten_runner();
   return cpumoe_probe_read(buffer.data_ptr(), buffer.nbytes(), passes, &runner);
+}
+
+// The active tier's activation kernel on fp32 gate/up values (cpumoe_activation_values):
+// "silu", "gelu" or "swiglu" (with alpha and limit).
+at::Tensor activation_values(const std::string &name, const at::Tensor &gate, const at::Tensor &up,
+                             double alpha, double limit) {
+  const char *op = "activation_values";
+  TORCH_CHECK(name == "silu" || name == "gelu" || name == "swiglu", op, ": unknown activation '",
+              name, "' (expected 'silu', 'gelu' or 'swiglu')");
+  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && gate.dim() == 1 &&
+                  gate.sizes() == up.sizes() && up.device().is_cpu() &&
+                  up.scalar_type() == at::kFloat,
+              op, ": gate and up must be 1-D float32 CPU tensors of one shape");
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor out = at::empty_like(g);
+  const cpumoe_activation act = name == "silu"   ? CPUMOE_ACT_SILU_MUL
+                                : name == "gelu" ? CPUMOE_ACT_GELU_MUL
+                                                 : CPUMOE_ACT_SWIGLU_CLAMP;
+  check_status(cpumoe_activation_values(act, static_cast<float>(alpha), static_cast<float>(limit),
+                                        static_cast<size_t>(g.numel()), g.data_ptr<float>(),
+                                        u.data_ptr<float>(), out.data_ptr<float>()),
+               op);
+  return out;
 }
 
 double probe_int8(int64_t iterations) {

@@ -37,6 +37,7 @@ void set_isa(const std::string &name);
 std::string isa_reason();
 std::string cpu_features();
 std::vector<std::string> built_isas();
+std::vector<std::string> supported_isas();
 std::string numerics_class(const std::string &tier);
 void release_workspace();
 size_t workspace_bytes();
@@ -46,5 +47,7 @@ double probe_int8(int64_t iterations);
 double probe_fma(int64_t iterations);
 double probe_bf16(int64_t iterations);
 int64_t runner_threads(int64_t workers);
+at::Tensor activation_values(const std::string &name, const at::Tensor &gate, const at::Tensor &up,
+                             double alpha, double limit);
 
 }  // namespace cpumoe::bindings

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "runtime.h"
@@ -155,11 +156,12 @@ void describe_channel_scales(const SchemeTraits &scheme, const WeightOperands &o
       channel_scale(scheme, operands.w2_scale, "w2_scale", operands.op, experts * problem.K);
 }
 
-// block_size = [block_n, block_k]: required, two positive ints, block_k even.
-std::pair<int64_t, int64_t> parse_block_size(const SchemeTraits &scheme,
-                                             at::OptionalIntArrayRef block_size, const char *op) {
-  TORCH_CHECK(block_size.has_value(), op, ": missing block_size for ", scheme.name,
-              " (e.g. [128, 128], DeepSeek's weight_block_size)");
+// block_size = [block_n, block_k], two positive ints, block_k even; None means per-tensor
+// scales: one block as large as any matrix.
+constexpr int64_t kPerTensorBlock = int64_t{1} << 62;  // even, beyond any K, N <= 2^30
+
+std::pair<int64_t, int64_t> parse_block_size(at::OptionalIntArrayRef block_size, const char *op) {
+  if (!block_size.has_value()) return {kPerTensorBlock, kPerTensorBlock};
   TORCH_CHECK(block_size->size() == 2, op,
               ": expect block_size to have 2 values [block_n, block_k], got ", block_size->size());
   const int64_t bn = (*block_size)[0], bk = (*block_size)[1];
@@ -189,8 +191,35 @@ const float *block_scale(const SchemeTraits &scheme, const std::optional<at::Ten
   return scale->data_ptr<float>();
 }
 
+// Per-tensor scales (block_size None): one fp32 scale per matrix, shaped `lead` ([E] for
+// an expert bank, [] for the shared expert) as SGLang's callers pass them, or with two
+// trailing ones ([E, 1, 1], the block form of one block).
+const float *tensor_scale(const SchemeTraits &scheme, const std::optional<at::Tensor> &scale,
+                          const char *name, const char *op, const std::vector<int64_t> &lead) {
+  const c10::IntArrayRef expected(lead);
+  TORCH_CHECK(scale.has_value(), op, ": missing ", name, " for ", scheme.name,
+              " (block_size is None: float32 per-tensor scales of shape ", expected, ")");
+  check_cpu_tensor(*scale, name, op);
+  TORCH_CHECK(scale->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+              dtype_name(scale->scalar_type()));
+  std::vector<int64_t> blocked = lead;
+  blocked.insert(blocked.end(), {1, 1});
+  TORCH_CHECK(scale->sizes() == expected || scale->sizes() == c10::IntArrayRef(blocked), op, ": ",
+              name, " must have shape ", expected,
+              " (one scale per matrix: block_size is None, "
+              "so the scales are per tensor; pass block_size for block scales), got ",
+              scale->sizes());
+  TORCH_CHECK(scale->is_contiguous(), op, ": ", name, " must be contiguous");
+  return scale->data_ptr<float>();
+}
+
 void describe_block_scales(const SchemeTraits &scheme, const WeightOperands &operands,
                            const std::vector<int64_t> &lead, cpumoe_moe_problem &problem) {
+  if (problem.block_n == kPerTensorBlock) {
+    problem.w1_scale = tensor_scale(scheme, operands.w1_scale, "w1_scale", operands.op, lead);
+    problem.w2_scale = tensor_scale(scheme, operands.w2_scale, "w2_scale", operands.op, lead);
+    return;
+  }
   auto blocks = [&](int64_t rows, int64_t cols) {
     std::vector<int64_t> shape = lead;
     shape.push_back(ceil_div(rows, problem.block_n));
@@ -343,6 +372,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = false,
                           .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
                           .label = "bf16/fp16 weights (use_int8_w8a8 and use_fp8_w8a16 False)"},
         .packed_extra_cols = 0,
         .pack_row_multiple = 16,
@@ -361,6 +391,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = true,
                           .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
                           .label = "use_int8_w8a8=True (int8 w8a8)"},
         .packed_extra_cols = kInt8CompensationBytes,
         .pack_row_multiple = 32,
@@ -379,6 +410,7 @@ constexpr SchemeTraits kSchemes[] = {
         .shared_expert = {.supported = true,
                           .use_int8_w8a8 = false,
                           .use_fp8_w8a16 = true,
+                          .use_mxfp4 = false,
                           .label = "use_fp8_w8a16=True (fp8 w8a16)"},
         .packed_extra_cols = 0,
         .pack_row_multiple = 16,
@@ -395,8 +427,11 @@ constexpr SchemeTraits kSchemes[] = {
         .weights_match_activations = false,
         .scales = ScaleKind::kGroupWithZeros,
         .takes_block_size = false,
-        .shared_expert =
-            {.supported = false, .use_int8_w8a8 = false, .use_fp8_w8a16 = false, .label = nullptr},
+        .shared_expert = {.supported = false,
+                          .use_int8_w8a8 = false,
+                          .use_fp8_w8a16 = false,
+                          .use_mxfp4 = false,
+                          .label = nullptr},
         // no dense layout: convert_weight_packed_scale_zp packs int4 checkpoints
         .packed_extra_cols = 0,
         .pack_row_multiple = 0,
@@ -473,19 +508,33 @@ const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op) {
   return kSchemes[static_cast<size_t>(moe_comp_method)];
 }
 
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16) {
-  return scheme_for_shared_expert(use_int8_w8a8, use_fp8_w8a16, false);
-}
-
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16,
-                                             bool use_mxfp4) {
+const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                             const char *op) {
+  struct Flag {
+    bool value;
+    const char *name;
+    const char *scheme;  // what the flag asks for, for the message when no row has it
+  };
+  const Flag flags[] = {{use_int8_w8a8, "use_int8_w8a8", "int8 w8a8"},
+                        {use_fp8_w8a16, "use_fp8_w8a16", "fp8 w8a16"},
+                        {use_mxfp4, "use_mxfp4", "mxfp4"}};
+  std::vector<const Flag *> set;
+  for (const Flag &flag : flags)
+    if (flag.value) set.push_back(&flag);
+  std::string set_names;  // "use_int8_w8a8", "use_int8_w8a8 and use_mxfp4", "a, b and c"
+  for (size_t i = 0; i < set.size(); ++i)
+    set_names += (i == 0 ? "" : i + 1 == set.size() ? " and " : ", ") + std::string(set[i]->name);
+  TORCH_CHECK(set.size() <= 1, op, ": ", set_names, " cannot ", set.size() == 2 ? "both" : "all",
+              " be True");
   const auto row =
       std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](const SchemeTraits &s) {
         return s.shared_expert.supported && s.shared_expert.use_int8_w8a8 == use_int8_w8a8 &&
                s.shared_expert.use_fp8_w8a16 == use_fp8_w8a16 &&
                s.shared_expert.use_mxfp4 == use_mxfp4;
       });
-  TORCH_INTERNAL_ASSERT(row != std::end(kSchemes), "no scheme for shared_expert_cpu's flags");
+  // only a set flag can miss: the bf16/fp16 row (no flag) always exists
+  TORCH_CHECK(row != std::end(kSchemes), op, ": ", set_names, "=True selects the ", set[0]->scheme,
+              " weight scheme, which is not available in this build of cpumoe");
   return *row;
 }
 
@@ -508,7 +557,7 @@ std::pair<int64_t, int64_t> check_scale_args(const SchemeTraits &scheme, const c
   TORCH_CHECK(scheme.takes_block_size || !block_size.has_value(), op,
               ": block_size must be None for ", label);
   if (!scheme.takes_block_size) return {0, 0};
-  return parse_block_size(scheme, block_size, op);
+  return parse_block_size(block_size, op);
 }
 
 DescribedWeights describe_dense_weights(const SchemeTraits &scheme, const WeightOperands &operands,

@@ -20,7 +20,8 @@ namespace cpumoe::bindings {
 enum class ScaleKind {
   kNone,            // bf16/fp16 weights: w*_scale must be None
   kPerChannel,      // fp32, one scale per output channel
-  kBlock2D,         // fp32 [..., ceil(OC / block_n), ceil(IC / block_k)], with block_size
+  kBlock2D,         // fp32 [..., ceil(OC / block_n), ceil(IC / block_k)], with block_size;
+                    // without it, one scale per matrix (per-tensor: [...])
   kGroupWithZeros,  // fp32 scales and int8 zero points (w*_zero) per group of input features
   kE8M0Group,       // uint8 e8m0 exponents [..., OC, IC/32], packed by convert_scale_packed
 };
@@ -60,13 +61,14 @@ using DescribeScalesFn = void (*)(const SchemeTraits &scheme, const WeightOperan
 // Packs checked, contiguous [..., OC, IC] weights into the scheme's layout.
 using PackFn = at::Tensor (*)(const at::Tensor &weight, const char *op);
 
-// How shared_expert_cpu's flags select a scheme (it has no moe_comp_method).
+// How shared_expert_cpu's flags select a scheme (it has no moe_comp_method). At most one
+// flag is set; none selects the bf16/fp16 row. use_mxfp4 exists only in the .mxfp4 overload.
 struct SharedExpertFlags {
   bool supported;  // false: no flag combination selects the scheme
   bool use_int8_w8a8;
   bool use_fp8_w8a16;
-  bool use_mxfp4 = false;  // the flag of SGLang's newer shared_expert_cpu overload
-  const char *label;       // how shared_expert_cpu's messages name the scheme
+  bool use_mxfp4;     // the flag of SGLang's newer shared_expert_cpu overload
+  const char *label;  // how shared_expert_cpu's messages name the scheme
 };
 
 struct SchemeTraits {
@@ -101,11 +103,11 @@ struct SchemeTraits {
 // The row of `moe_comp_method`; the one place an unknown method is rejected.
 const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op);
 
-// The row shared_expert_cpu's flags select (the caller has rejected two flags set).
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16);
-// The same with the use_mxfp4 flag of SGLang's newer overload.
-const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16,
-                                             bool use_mxfp4);
+// The row shared_expert_cpu's flags select; more than one flag set, or a flag no row has
+// (kSchemes lists a row per flag, so only a build without that scheme), is a RuntimeError
+// of `op`.
+const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                             const char *op);
 
 // The row whose dense weights (packed by convert_weight_packed) have `dtype`, or nullptr.
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype);

@@ -3,8 +3,9 @@
 Importing the package registers the ops under ``torch.ops.cpumoe``:
 
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
-  17-argument schema: biases, GPT-OSS ``alpha``/``limit``),
-* ``shared_expert_cpu``,
+  17-argument schema: biases, GPT-OSS ``alpha``/``limit``; ``.out``, vLLM's out-variant),
+* ``shared_expert_cpu`` (and ``.mxfp4``, SGLang's newer schema: ``use_mxfp4``,
+  ``alpha``/``limit``),
 * ``convert_weight_packed``, ``convert_scale_packed`` (MXFP4 scales),
   ``convert_weight_packed_scale_zp``,
 * the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
@@ -16,6 +17,10 @@ and typed wrappers with the same names in lower case, without ``_cpu``, live her
 :func:`topk_softmax`, :func:`biased_grouped_topk`, ...).
 The kernels pick the best ISA tier of the CPU once at import; ``CPUMOE_ISA``
 caps it, :func:`isa` says which tier runs.
+
+``import cpumoe.sglang`` and ``import cpumoe.vllm`` register the same ops under SGLang's
+(``torch.ops.sgl_kernel``) and vLLM's (``torch.ops._C``) namespaces where those libraries
+have not (docs/SGLANG.md).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -34,6 +39,7 @@ from .ops import (
     convert_weight_packed,
     convert_weight_packed_scale_zp,
     fused_experts,
+    fused_experts_into,
     grouped_topk,
     shared_expert,
     topk_sigmoid,
@@ -48,11 +54,13 @@ __all__ = [
     "biased_grouped_topk",
     "biased_topk",
     "built_isas",
+    "supported_isas",
     "convert_scale_packed",
     "convert_weight_packed",
     "convert_weight_packed_scale_zp",
     "cpu_features",
     "fused_experts",
+    "fused_experts_into",
     "grouped_topk",
     "isa",
     "isa_reason",
@@ -66,7 +74,7 @@ __all__ = [
 
 def isa() -> str:
     """Name of the ISA tier the ops run on: one of cpumoe.built_isas(), e.g. 'scalar', 'avx2',
-    'avx512', 'avx512bf16' or 'amx'."""
+    'avx2vnni', 'avx512', 'avx512bf16' or 'amx'."""
     return _C.active_isa()
 
 
@@ -76,8 +84,9 @@ def best_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Caps the active tier at ``name`` (for tests and bug reports); a tier above
-    :func:`best_isa` falls back to the best one. Same effect as ``CPUMOE_ISA``."""
+    """Caps the active tier at ``name`` (for tests and bug reports); a tier this CPU cannot
+    run falls back to its nearest ancestor it can (the tiers form a tree: avx2vnni and avx512
+    both build on avx2; docs/KERNELS.md). Same effect as ``CPUMOE_ISA``."""
     _C.set_isa(name)
 
 
@@ -92,8 +101,14 @@ def cpu_features() -> list:
 
 
 def built_isas() -> list:
-    """Tiers compiled into this build, worst first."""
+    """Tiers compiled into this build, worst first (rank order: the best tier a CPU
+    supports is the last of these it can run)."""
     return list(_C.built_isas())
+
+
+def supported_isas() -> list:
+    """The built tiers this CPU can run, worst first."""
+    return list(_C.supported_isas())
 
 
 def numerics_class(tier: str) -> str:

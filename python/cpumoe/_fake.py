@@ -38,10 +38,39 @@ def _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inpl
     return torch.empty_like(hidden_states)
 
 
+@torch.library.register_fake("cpumoe::fused_experts_cpu.activation")
+def _fused_experts_activation_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                   moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                   block_size, w1_bias, w2_bias, alpha, limit, is_vnni,
+                                   activation=None):
+    return _fused_experts_bias_fake(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                                    moe_comp_method, w1_scale, w2_scale, w1_zero, w2_zero,
+                                    block_size, w1_bias, w2_bias, alpha, limit, is_vnni)
+
+
+@torch.library.register_fake("cpumoe::fused_experts_cpu.out")
+def _fused_experts_out_fake(out, hidden_states, w1, w2, topk_weights, topk_ids, moe_comp_method,
+                            w1_scale, w2_scale, w1_zero, w2_zero, a1_scale, block_size, w1_bias,
+                            w2_bias, alpha, limit, is_vnni):
+    _same_device("fused_experts_cpu", hidden_states, out=out, w1=w1, w2=w2,
+                 topk_weights=topk_weights, topk_ids=topk_ids, w1_scale=w1_scale,
+                 w2_scale=w2_scale, w1_zero=w1_zero, w2_zero=w2_zero, a1_scale=a1_scale,
+                 w1_bias=w1_bias, w2_bias=w2_bias)
+
+
 @torch.library.register_fake("cpumoe::shared_expert_cpu")
 def _shared_expert_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
                         inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size,
                         is_vnni):
+    _same_device("shared_expert_cpu", hidden_states, w1=w1, w2=w2,
+                 fused_experts_out=fused_experts_out, w1_scale=w1_scale, w2_scale=w2_scale)
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::shared_expert_cpu.mxfp4")
+def _shared_expert_mxfp4_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                              inplace, use_int8_w8a8, use_fp8_w8a16, use_mxfp4, w1_scale,
+                              w2_scale, block_size, alpha, limit, is_vnni):
     _same_device("shared_expert_cpu", hidden_states, w1=w1, w2=w2,
                  fused_experts_out=fused_experts_out, w1_scale=w1_scale, w2_scale=w2_scale)
     return torch.empty_like(hidden_states)

@@ -95,6 +95,7 @@ def fused_experts(
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
     is_vnni: bool = True,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """Mixture-of-Experts layer: for every token m and slot j with expert
     e = topk_ids[m, j] (``-1`` skips the slot),
@@ -110,13 +111,17 @@ def fused_experts(
         inplace: write the result into ``hidden_states`` and return it.
         moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
         w1_scale, w2_scale: INT8: fp32 per output channel; FP8: fp32 block scales with
-            ``block_size``; INT4: from :func:`convert_weight_packed_scale_zp`; MXFP4: uint8
-            e8m0 ``[E, 2N, K/32]`` / ``[E, K, N/32]`` from :func:`convert_scale_packed`
-            (w1/w2 are then uint8 codes ``[E, 2N, K/2]`` / ``[E, K, N/2]``).
+            ``block_size``, or per-tensor scales ``[E]`` with ``block_size=None``; INT4:
+            from :func:`convert_weight_packed_scale_zp`; MXFP4: uint8 e8m0 ``[E, 2N, K/32]``
+            / ``[E, K, N/32]`` from :func:`convert_scale_packed` (w1/w2 are then uint8 codes
+            ``[E, 2N, K/2]`` / ``[E, K, N/2]``).
         w1_zero, w2_zero: INT4 only: the zero points from
             :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
+        activation: without ``alpha``/``limit``, the function of the gate half: ``"silu"``
+            (None means this) or ``"gelu"`` (the erf form, ``x * Phi(x)``); any other name
+            is a RuntimeError.
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
             False packs them on every call (slow, for convenience). It concerns the
             weights only: MXFP4 scales always come from :func:`convert_scale_packed`,
@@ -131,7 +136,11 @@ def fused_experts(
     traced_inplace = inplace and _tracing()
     if traced_inplace:
         inplace = False  # see _tracing()
-    if w1_bias is None and w2_bias is None and alpha is None and limit is None:
+    if activation is not None:
+        out = op.activation(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
+                            int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
+                            w1_bias, w2_bias, alpha, limit, is_vnni, activation)
+    elif w1_bias is None and w2_bias is None and alpha is None and limit is None:
         out = op.default(hidden_states, w1, w2, topk_weights, topk_ids, inplace,
                          int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
                          is_vnni)
@@ -140,6 +149,41 @@ def fused_experts(
                       int(moe_comp_method), w1_scale, w2_scale, w1_zero, w2_zero, block,
                       w1_bias, w2_bias, alpha, limit, is_vnni)
     return hidden_states.copy_(out) if traced_inplace else out
+
+
+def fused_experts_into(
+    out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    moe_comp_method: int = MoeCompMethod.UNQUANT,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    w1_zero: Optional[torch.Tensor] = None,
+    w2_zero: Optional[torch.Tensor] = None,
+    block_size: Optional[Sequence[int]] = None,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+    is_vnni: bool = True,
+) -> None:
+    """:func:`fused_experts` written into ``out`` (``torch.ops.cpumoe.fused_experts_cpu.out``,
+    the schema of vLLM's CPU build): the same bits as :func:`fused_experts` returns.
+
+    ``out`` must have the shape and dtype of ``hidden_states`` and be contiguous; it may be
+    ``hidden_states`` itself (then the op runs in place) or overlap it. vLLM's ``a1_scale``
+    (precomputed activation scales for its own FP8 W8A8 MoE) has no cpumoe scheme: the op
+    rejects it, so this wrapper does not take it. Other arguments as :func:`fused_experts`.
+    """
+    block = list(block_size) if block_size is not None else None
+    torch.ops.cpumoe.fused_experts_cpu.out(out, hidden_states, w1, w2, topk_weights, topk_ids,
+                                           int(moe_comp_method), w1_scale, w2_scale, w1_zero,
+                                           w2_zero, None, block, w1_bias, w2_bias, alpha, limit,
+                                           is_vnni)
 
 
 def shared_expert(
@@ -152,27 +196,42 @@ def shared_expert(
     inplace: bool = False,
     use_int8_w8a8: bool = False,
     use_fp8_w8a16: bool = False,
+    use_mxfp4: bool = False,
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     block_size: Optional[Sequence[int]] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
     is_vnni: bool = True,
 ) -> torch.Tensor:
     """Dense shared expert (DeepSeek style):
-    ``out = w2 @ (silu(gate) * up) + routed_scaling_factor * fused_experts_out``,
-    with ``[gate; up] = w1 @ x``; float32 inside, one rounding.
+    ``out = w2 @ act(w1 @ x) + routed_scaling_factor * fused_experts_out``,
+    ``act`` being SiLU(gate) * up, with ``[gate; up] = w1 @ x``; float32 inside, one rounding.
 
     Args:
         hidden_states: ``[M, K]`` bfloat16 or float16.
         w1: ``[2N, K]``; w2: ``[K, N]`` (packed unless ``is_vnni=False``).
         fused_experts_out: ``[M, K]`` routed output to fold in, with
             ``routed_scaling_factor`` (both or neither).
+        use_int8_w8a8, use_fp8_w8a16, use_mxfp4: the weight scheme (at most one), with
+            ``w1_scale`` and ``w2_scale``: INT8 per output channel; FP8 block scales with
+            ``block_size``, or one scale per matrix (shape ``[]``) with ``block_size=None``;
+            MXFP4: uint8 codes ``w1 [2N, K/2]``, ``w2 [K, N/2]`` and e8m0 scales
+            ``[2N, K/32]``, ``[K, N/32]`` from :func:`convert_scale_packed`.
+        alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither; ``w1`` rows then
+            interleave gate and up), as in :func:`fused_experts`.
     """
     block = list(block_size) if block_size is not None else None
     traced_inplace = inplace and _tracing()
-    out = torch.ops.cpumoe.shared_expert_cpu(hidden_states, w1, w2, fused_experts_out,
-                                             routed_scaling_factor, inplace and not traced_inplace,
-                                             use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale,
-                                             block, is_vnni)
+    op = torch.ops.cpumoe.shared_expert_cpu
+    if not use_mxfp4 and alpha is None and limit is None:
+        out = op.default(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                         inplace and not traced_inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale,
+                         w2_scale, block, is_vnni)
+    else:
+        out = op.mxfp4(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                       inplace and not traced_inplace, use_int8_w8a8, use_fp8_w8a16, use_mxfp4,
+                       w1_scale, w2_scale, block, alpha, limit, is_vnni)
     return hidden_states.copy_(out) if traced_inplace else out
 
 

@@ -31,6 +31,13 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     return F.silu(h[..., :n]) * h[..., n:]
 
 
+def gelu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """`[gate; up]` halves along the last dim: gelu(gate) * up, gelu in its erf form
+    x * Phi(x) (not the tanh approximation)."""
+    n = h.shape[-1] // 2
+    return F.gelu(h[..., :n]) * h[..., n:]
+
+
 def swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS activation: gate = h[..., 0::2], up = h[..., 1::2] (interleaved rows);
     gate is clamped above at `limit`, up to [-limit, limit];
@@ -38,6 +45,22 @@ def swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     gate = h[..., 0::2].clamp(max=limit)
     up = h[..., 1::2].clamp(min=-limit, max=limit)
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+# the values of fused_experts_cpu's `activation` (None is "silu")
+ACTIVATIONS = ("silu", "gelu")
+
+
+def activate(h: torch.Tensor, alpha: Optional[float] = None, limit: Optional[float] = None,
+             activation: Optional[str] = None) -> torch.Tensor:
+    """The activation of the first GEMM's output h [T, 2N] -> [T, N]: GPT-OSS's clamped
+    SwiGLU when ``alpha``/``limit`` are given, else ``activation`` ("silu" or "gelu") of
+    the gate half times the up half."""
+    if alpha is not None:
+        return swiglu_clamp(h, alpha, limit)
+    if activation not in (None,) + ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    return gelu_and_mul(h) if activation == "gelu" else silu_and_mul(h)
 
 
 def expert_mlp(
@@ -48,13 +71,14 @@ def expert_mlp(
     b2: Optional[torch.Tensor] = None,
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """One expert on rows x [T, K] (16-bit): returns y [T, K] in float32, before the
     topk weight. w1 [2N, K], w2 [K, N] unpacked, same dtype as x."""
     h = x.float() @ w1.float().t()
     if b1 is not None:
         h = h + b1.float()
-    a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
+    a = activate(h, alpha, limit, activation)
     a = a.to(x.dtype).float()  # the intermediate is stored in the activation dtype
     y = a @ w2.float().t()
     if b2 is not None:
@@ -98,22 +122,24 @@ def expert_mlp_int8(
     b2: Optional[torch.Tensor] = None,
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """One INT8 W8A8 expert on rows x [T, K] (16-bit): int8 w1 [2N, K], w2 [K, N] (unpacked)
     with per output channel scales; both GEMM inputs quantized per row. Returns fp32 [T, K]."""
     return _row_quantized_expert(x, lambda q, s: int8_linear(q, s, w1, w1_scale),
                                  lambda q, s: int8_linear(q, s, w2, w2_scale), b1, b2, alpha,
-                                 limit)
+                                 limit, activation)
 
 
-def _row_quantized_expert(x, linear1, linear2, b1, b2, alpha, limit) -> torch.Tensor:
+def _row_quantized_expert(x, linear1, linear2, b1, b2, alpha, limit,
+                          activation=None) -> torch.Tensor:
     """The expert MLP of the schemes with int8 activations (INT8 W8A8, INT4 W4A8): each GEMM
     input row quantized (quantize_rows_int8), then linear(q, row_scale) -> fp32."""
     q, s = quantize_rows_int8(x.float())
     h = linear1(q, s)
     if b1 is not None:
         h = h + b1.float()
-    a = swiglu_clamp(h, alpha, limit) if alpha is not None else silu_and_mul(h)
+    a = activate(h, alpha, limit, activation)
     a = a.to(x.dtype).float()
     q2, s2 = quantize_rows_int8(a)
     y = linear2(q2, s2)
@@ -179,6 +205,16 @@ def pack_e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
     *lead, oc, groups = scales.shape
     s = scales.reshape(-1, oc // 32, 32, groups).transpose(-1, -2)
     return s.contiguous().reshape(*lead, oc, groups)
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor,
+                   block_size: Optional[list]) -> torch.Tensor:
+    """:func:`dequantize_fp8_blocks` with ``block_size = [block_n, block_k]``; with None,
+    per-tensor scales: one per matrix, ``scale`` shaped ``w.shape[:-2]`` (or with two
+    trailing ones)."""
+    if block_size is None:
+        return w.float() * scale.float().reshape(*w.shape[:-2], 1, 1)
+    return dequantize_fp8_blocks(w, scale, *block_size)
 
 
 def unpack_int4_checkpoint(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -284,40 +320,42 @@ def int4_linear(q: torch.Tensor, row_scale: torch.Tensor, w: torch.Tensor, zero:
     return c * row_scale[:, None]
 
 
-def expert_mlp_int4(x, w1, z1, s1, w2, z2, s2, b1=None, b2=None, alpha=None, limit=None):
+def expert_mlp_int4(x, w1, z1, s1, w2, z2, s2, b1=None, b2=None, alpha=None, limit=None,
+                    activation=None):
     """One INT4 W4A8 expert on rows x [T, K] (16-bit): nibbles w1 [2N, K], w2 [K, N] with
     zero points and scales [.., G] (as :func:`unpack_int4_checkpoint` gives them); both
     GEMM inputs quantized per row like INT8. Returns fp32 [T, K]."""
     return _row_quantized_expert(x, lambda q, s: int4_linear(q, s, w1, z1, s1),
                                  lambda q, s: int4_linear(q, s, w2, z2, s2), b1, b2, alpha,
-                                 limit)
+                                 limit, activation)
 
 
-def _expert_unquant(x, e, w, b1, b2, alpha, limit):
-    return expert_mlp(x, w["w1"][e], w["w2"][e], b1, b2, alpha, limit)
+# Each takes the activation as `act` = (alpha, limit, activation), activate()'s arguments.
+def _expert_unquant(x, e, w, b1, b2, act):
+    return expert_mlp(x, w["w1"][e], w["w2"][e], b1, b2, *act)
 
 
-def _expert_int8(x, e, w, b1, b2, alpha, limit):
+def _expert_int8(x, e, w, b1, b2, act):
     return expert_mlp_int8(x, w["w1"][e], w["w1_scale"][e], w["w2"][e], w["w2_scale"][e], b1,
-                           b2, alpha, limit)
+                           b2, *act)
 
 
-def _expert_fp8(x, e, w, b1, b2, alpha, limit):
+def _expert_fp8(x, e, w, b1, b2, act):
     """fp32 GEMMs on the dequantized weights (decoding e4m3 is exact)."""
-    w1 = dequantize_fp8_blocks(w["w1"][e], w["w1_scale"][e], *w["block_size"])
-    w2 = dequantize_fp8_blocks(w["w2"][e], w["w2_scale"][e], *w["block_size"])
-    return expert_mlp(x, w1, w2, b1, b2, alpha, limit)
+    w1 = dequantize_fp8(w["w1"][e], w["w1_scale"][e], w["block_size"])
+    w2 = dequantize_fp8(w["w2"][e], w["w2_scale"][e], w["block_size"])
+    return expert_mlp(x, w1, w2, b1, b2, *act)
 
 
-def _expert_int4(x, e, w, b1, b2, alpha, limit):
+def _expert_int4(x, e, w, b1, b2, act):
     return expert_mlp_int4(x, w["w1"][e], w["w1_zero"][e], w["w1_scale"][e], w["w2"][e],
-                           w["w2_zero"][e], w["w2_scale"][e], b1, b2, alpha, limit)
+                           w["w2_zero"][e], w["w2_scale"][e], b1, b2, *act)
 
 
-def _expert_mxfp4(x, e, w, b1, b2, alpha, limit):
+def _expert_mxfp4(x, e, w, b1, b2, act):
     """fp32 GEMMs on the decoded weights (decoding MXFP4 is exact)."""
     return expert_mlp(x, dequantize_mxfp4(w["w1"][e], w["w1_scale"][e]),
-                      dequantize_mxfp4(w["w2"][e], w["w2_scale"][e]), b1, b2, alpha, limit)
+                      dequantize_mxfp4(w["w2"][e], w["w2_scale"][e]), b1, b2, *act)
 
 
 # moe_comp_method -> one expert's MLP on the rows routed to it: the only place the
@@ -342,18 +380,19 @@ def fused_experts(
     block_size: Optional[list] = None,
     w1_zero: Optional[torch.Tensor] = None,
     w2_zero: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
     """Reference of `fused_experts_cpu` with unpacked weights.
 
     hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N] (16-bit for method 0,
     int8 with per output channel scales w1_scale [E, 2N(, 1)], w2_scale [E, K(, 1)] for
-    method 1; float8_e4m3fn with block scales and ``block_size=[block_n, block_k]`` for
-    method 2; 4-bit nibbles with zero points ``w*_zero`` and scales ``w*_scale`` of shape
-    [E, OC, G], as :func:`unpack_int4_checkpoint` returns them, for method 3; uint8 e2m1
-    codes w1 [E, 2N, K/2], w2 [E, K, N/2] with unpacked e8m0 scales w1_scale [E, 2N, K/32],
-    w2_scale [E, K, N/32], as :func:`cpumoe.quant.quantize_mxfp4` returns them, for method
-    4); topk_weights
-    and topk_ids [M, topk]; an id of -1 skips its slot.
+    method 1; float8_e4m3fn with block scales and ``block_size=[block_n, block_k]``, or
+    per-tensor scales [E] and ``block_size=None``, for method 2; 4-bit nibbles with zero
+    points ``w*_zero`` and scales ``w*_scale`` of shape [E, OC, G], as
+    :func:`unpack_int4_checkpoint` returns them, for method 3; uint8 e2m1 codes w1 [E, 2N,
+    K/2], w2 [E, K, N/2] with unpacked e8m0 scales w1_scale [E, 2N, K/32], w2_scale [E, K,
+    N/32], as :func:`cpumoe.quant.quantize_mxfp4` returns them, for method 4); topk_weights
+    and topk_ids [M, topk]; an id of -1 skips its slot. The activation: :func:`activate`.
     Returns [M, K] in the dtype of hidden_states.
     """
     if moe_comp_method not in _SCHEME_EXPERTS:
@@ -371,7 +410,7 @@ def fused_experts(
         rows, slots = (ids == e).nonzero(as_tuple=True)
         b1 = None if w1_bias is None else w1_bias[e]
         b2 = None if w2_bias is None else w2_bias[e]
-        y = expert(hidden_states[rows], e, w, b1, b2, alpha, limit)
+        y = expert(hidden_states[rows], e, w, b1, b2, (alpha, limit, activation))
         contrib = torch.zeros(M, ids.shape[1], K, dtype=torch.float32)
         contrib[rows, slots] = y * weights[rows, slots, None]
         out += contrib.sum(1)
@@ -389,22 +428,26 @@ def shared_expert(
     w2_scale: Optional[torch.Tensor] = None,
     use_fp8_w8a16: bool = False,
     block_size: Optional[list] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
     use_mxfp4: bool = False,
 ) -> torch.Tensor:
-    """Reference of `shared_expert_cpu` with unpacked weights w1 [2N, K], w2 [K, N]
-    (16-bit, or int8 with scales [2N(, 1)], [K(, 1)], or fp8 with block scales, or MXFP4
+    """Reference of `shared_expert_cpu` (both overloads) with unpacked weights w1 [2N, K],
+    w2 [K, N] (16-bit, int8 with scales [2N(, 1)], [K(, 1)], fp8 with block scales, or MXFP4
     codes [2N, K/2], [K, N/2] with unpacked e8m0 scales [2N, K/32], [K, N/32]):
-    mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once."""
+    mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once; ``alpha``
+    and ``limit`` select the clamped swiglu as in :func:`fused_experts`."""
     if use_mxfp4:
         y = expert_mlp(hidden_states, dequantize_mxfp4(w1, w1_scale),
-                       dequantize_mxfp4(w2, w2_scale))
+                       dequantize_mxfp4(w2, w2_scale), alpha=alpha, limit=limit)
     elif use_int8_w8a8:
-        y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale)
+        y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale, alpha=alpha,
+                            limit=limit)
     elif use_fp8_w8a16:
-        y = expert_mlp(hidden_states, dequantize_fp8_blocks(w1, w1_scale, *block_size),
-                       dequantize_fp8_blocks(w2, w2_scale, *block_size))
+        y = expert_mlp(hidden_states, dequantize_fp8(w1, w1_scale, block_size),
+                       dequantize_fp8(w2, w2_scale, block_size), alpha=alpha, limit=limit)
     else:
-        y = expert_mlp(hidden_states, w1, w2)
+        y = expert_mlp(hidden_states, w1, w2, alpha=alpha, limit=limit)
     if fused_experts_out is not None:
         y = y + routed_scaling_factor * fused_experts_out.float()
     return y.to(hidden_states.dtype)

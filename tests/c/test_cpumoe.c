@@ -7,7 +7,7 @@
  *                  MXFP4
  *                  against a double-precision reference (tolerance relative to the output's
  *                  scale):
- *                  bias, silu and clamped swiglu, residual, int32/int64 topk_ids with -1
+ *                  bias, silu, gelu and clamped swiglu, residual, int32/int64 topk_ids with -1
  *                  slots, f32/f64/bf16/f16 topk weights, NULL ids/weights, out aliasing x,
  *                  M = 0, 1 and more than one 1024-token chunk, K and N multiples of 32 but
  *                  not of 64; on every ISA tier the CPU runs (bit-identical to each other)
@@ -618,6 +618,7 @@ enum {
   NO_WEIGHTS = 16, /* topk_weights NULL: every weight is 1 */
   OUT_IS_X = 32,   /* out (and residual, if any) alias x */
   ONE_EXPERT = 64, /* every slot routed to expert E - 1 */
+  GELU = 128,      /* gelu(gate) * up (erf form) instead of silu(gate) * up */
 };
 
 typedef struct moe_case {
@@ -651,11 +652,14 @@ static const moe_case g_cases[] = {
   {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
    BIAS | RESIDUAL | OUT_IS_X},
   {"fp16 decode 2 rows", UNQUANT, F16,   2,  96,  64, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
+  {"bf16 gelu",        UNQUANT, BF16,   21,  96,  64, 4, 2, I64, F32,  0.1,  0,  0,
+   BIAS | GELU | RESIDUAL},
   {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
   {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
   {"int8 decode 2 rows", INT8,  F16,     2,  64,  96, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,
    BIAS | SWIGLU | RESIDUAL},
+  {"int8 gelu",       INT8,    BF16,    3,  64,  32, 2, 2, I32, F32,  0.0,  0,  0,  GELU},
   {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,
    BIAS | RESIDUAL},
   {"int8 in place",    INT8,    F16,     6,  64,  64, 2, 2, I32, F64,  0.0,  0,  0,
@@ -663,6 +667,7 @@ static const moe_case g_cases[] = {
   {"fp8 decode",       FP8,     BF16,    3,  96,  96, 3, 2, I32, F32,  0.0,  32, 64, BIAS},
   {"fp8 odd blocks",   FP8,     F16,    20, 160,  64, 4, 2, I64, F16,  0.2,  48, 6,
    SWIGLU | RESIDUAL},
+  {"fp8 gelu",        FP8,     F16,    30,  64,  64, 3, 2, I32, F32,  0.0,  32, 32, BIAS | GELU},
   {"fp8 2 chunks",     FP8,     BF16, 1100,  32,  32, 2, 1, I64, F64,  0.1,  16, 16,
    BIAS | RESIDUAL},
   {"fp8 huge blocks",  FP8,     BF16,    7,  64,  96, 2, 2, I32, F32,  0.0,  BIG_BLOCK, BIG_BLOCK,
@@ -673,6 +678,7 @@ static const moe_case g_cases[] = {
   {"int4 tails",       INT4,    F16,    23,  96, 160, 4, 3, I64, BF16, 0.2,  96, 4,
    BIAS | SWIGLU | RESIDUAL},
   {"int4 group 256",   INT4,    BF16,    9, 256,  64, 2, 2, I32, F16,  0.0,  256, 64, RESIDUAL},
+  {"int4 gelu",       INT4,    F16,     1,  64,  64, 2, 2, I32, F32,  0.0,  32, 64, GELU},
   {"int4 2 chunks",    INT4,    BF16, 1100,  32,  32, 2, 1, I32, F32,  0.1,  32, 32,  BIAS},
   {"mxfp4 decode",     MXFP4,   BF16,    1,  64,  96, 3, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"mxfp4 4 rows",     MXFP4,   BF16,    2,  96,  64, 3, 2, I64, F32,  0.0,  0,  0,
@@ -890,6 +896,8 @@ static void reference(moe_data *d) {
           const double g = fmin(h[2 * n], p->limit);
           const double u = fmax(fmin(h[2 * n + 1], p->limit), -p->limit);
           a[n] = g * sigmoid(p->alpha * g) * (u + 1.0);
+        } else if (c->flags & GELU) {
+          a[n] = h[n] * 0.5 * erfc(-h[n] * 0.70710678118654752440) * h[N + n];
         } else {
           a[n] = h[n] * sigmoid(h[n]) * h[N + n];
         }
@@ -957,7 +965,9 @@ static void make_data(const moe_case *c, moe_data *d) {
       .topk = c->topk,
       .scheme = c->scheme,
       .act_dtype = c->act,
-      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP : CPUMOE_ACT_SILU_MUL,
+      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP
+                    : (c->flags & GELU) ? CPUMOE_ACT_GELU_MUL
+                                        : CPUMOE_ACT_SILU_MUL,
       .alpha = 1.702f,
       .limit = 0.5f, /* small enough that the clamps act on these magnitudes */
       .x = d->x,
@@ -1712,6 +1722,25 @@ static int has_feature(const char *features, const char *name) {
   return 0;
 }
 
+/* The tier tree of cpumoe/tiers.h: each tier's parent, and the tiers in rank order. */
+static cpumoe_isa tier_parent(cpumoe_isa isa) {
+  static const char *const parents[CPUMOE_ISA_COUNT] = {
+#define PARENT_NAME(ENUM, name, id, parent, ...) [id] = #parent,
+      CPUMOE_FOR_EACH_TIER(PARENT_NAME)
+#undef PARENT_NAME
+  };
+  return cpumoe_isa_from_name(parents[isa]);
+}
+static const cpumoe_isa g_tier_rank[CPUMOE_ISA_COUNT] = {
+#define RANK_ID(ENUM, ...) CPUMOE_ISA_##ENUM,
+    CPUMOE_FOR_EACH_TIER(RANK_ID)
+#undef RANK_ID
+};
+
+static int tier_supported(cpumoe_isa isa) {
+  return g_emulating_build || cpumoe_isa_native(isa);
+}
+
 static void test_isa(void) {
   const cpumoe_isa best = cpumoe_best_supported_isa();
   CHECK(best >= CPUMOE_ISA_SCALAR && best < CPUMOE_ISA_COUNT, "best tier %d", (int)best);
@@ -1745,29 +1774,40 @@ static void test_isa(void) {
           cpumoe_isa_native(CPUMOE_ISA_AVX2), features);
     CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX512) == avx512, "avx512 native %d, features \"%s\"",
           cpumoe_isa_native(CPUMOE_ISA_AVX512), features);
+    const int avx2vnni = avx2 && has_feature(features, "avx-vnni");
+    CHECK(cpumoe_isa_native(CPUMOE_ISA_AVX2VNNI) == avx2vnni, "avx2vnni native %d, features \"%s\"",
+          cpumoe_isa_native(CPUMOE_ISA_AVX2VNNI), features);
   }
   CHECK(!cpumoe_isa_native(CPUMOE_ISA_COUNT) && !cpumoe_isa_native((cpumoe_isa)-1),
         "an unknown tier is native");
-  for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
-    const int supported = g_emulating_build || cpumoe_isa_native((cpumoe_isa)i);
-    CHECK(supported == (i <= (int)best), "tier %d: best supported %d, native %d", i, (int)best,
-          cpumoe_isa_native((cpumoe_isa)i));
+  /* a tier runs only where its parent runs; the best is the last supported one in rank
+   * order (the tiers form a tree: avx2vnni and avx512 both build on avx2) */
+  cpumoe_isa last_supported = CPUMOE_ISA_SCALAR;
+  for (int r = 0; r < CPUMOE_ISA_COUNT; r++) {
+    const cpumoe_isa isa = g_tier_rank[r];
+    CHECK(!cpumoe_isa_native(isa) || cpumoe_isa_native(tier_parent(isa)),
+          "tier %d native without its parent %d", (int)isa, (int)tier_parent(isa));
+    if (tier_supported(isa)) last_supported = isa;
   }
+  CHECK(best == last_supported, "best supported %d, expected %d (the last in rank order)",
+        (int)best, (int)last_supported);
 
   for (int i = 0; i < CPUMOE_ISA_COUNT; i++) {
     CHECK(cpumoe_set_isa_cap((cpumoe_isa)i) == CPUMOE_OK, "cap %d refused", i);
-    const cpumoe_isa want = (cpumoe_isa)i < best ? (cpumoe_isa)i : best;
+    cpumoe_isa want = (cpumoe_isa)i; /* the cap, or its nearest supported ancestor */
+    while (!tier_supported(want)) want = tier_parent(want);
     CHECK(cpumoe_active_isa() == want, "cap %d: active %d, expected %d", i,
           (int)cpumoe_active_isa(), (int)want);
     const char *reason = cpumoe_isa_reason();
     CHECK(reason && strncmp(reason, cpumoe_isa_name(want), strlen(cpumoe_isa_name(want))) == 0,
           "cap %d: reason \"%s\" does not start with the active tier", i, reason ? reason : "");
   }
+  const cpumoe_isa capped = cpumoe_active_isa();
   char last_id[16]; /* the message names the valid range 0..count - 1 */
   snprintf(last_id, sizeof last_id, "..%d", CPUMOE_ISA_COUNT - 1);
   CHECK_ERROR("cap COUNT", cpumoe_set_isa_cap(CPUMOE_ISA_COUNT), CPUMOE_EINVAL, last_id);
   CHECK_ERROR("cap -1", cpumoe_set_isa_cap((cpumoe_isa)-1), CPUMOE_EINVAL, "-1");
-  CHECK(cpumoe_active_isa() == best, "a refused cap changed the active tier");
+  CHECK(cpumoe_active_isa() == capped, "a refused cap changed the active tier");
   use_tier(g_home);
 }
 
@@ -1847,10 +1887,12 @@ int main(int argc, char **argv) {
 
   /* the tiers under test: see the header */
   int tested = 0;
-  for (int isa = CPUMOE_ISA_SCALAR; isa <= (int)cpumoe_best_supported_isa(); isa++) {
-    g_tested[isa] = !g_emulating_build || (isa != CPUMOE_ISA_SCALAR &&
-                                           (emulate_all || !cpumoe_isa_native((cpumoe_isa)isa)));
-    if (g_tested[isa]) g_home = (cpumoe_isa)isa, tested++;
+  for (int r = 0; r < CPUMOE_ISA_COUNT; r++) { /* rank order: the home is the best tested */
+    const cpumoe_isa isa = g_tier_rank[r];
+    g_tested[isa] = tier_supported(isa) &&
+                    (!g_emulating_build ||
+                     (isa != CPUMOE_ISA_SCALAR && (emulate_all || !cpumoe_isa_native(isa))));
+    if (g_tested[isa]) g_home = isa, tested++;
   }
   if (!tested) {
     printf("no tier to emulate: this CPU runs every tier natively (--emulate-all emulates them)\n");

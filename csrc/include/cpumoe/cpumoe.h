@@ -61,6 +61,9 @@ typedef enum cpumoe_activation {
   /* GPT-OSS: w1 rows interleave gate/up (h[0::2], h[1::2]);
    * g = min(g, limit), u = clamp(u, -limit, limit), a = g*sigmoid(alpha*g)*(u+1) */
   CPUMOE_ACT_SWIGLU_CLAMP = 1,
+  /* w1 rows are [gate; up]: a = gelu(h[:N]) * h[N:], gelu(x) = x Phi(x) with the exact
+   * normal CDF Phi (erf form, not the tanh approximation) */
+  CPUMOE_ACT_GELU_MUL = 2,
 } cpumoe_activation;
 
 /* ISA tiers (the list and their ids: cpumoe/tiers.h). A tier is usable when the CPU has
@@ -178,6 +181,13 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *problem, void *work
  *             scale_output, else 1.
  * Rows m >= M_valid (padding) get ids -1 and weights 0. Results are identical for any
  * runner and on every ISA tier. */
+/* out[i] = the activation of (gate[i], up[i]) as the active tier's fused MoE computes it on
+ * the first GEMM's fp32 output (before the rounding to the activation dtype): silu(gate) *
+ * up, gelu(gate) * up, or the clamped swiglu with alpha and limit. For tests of the
+ * activations' bits; n may be 0. */
+cpumoe_status cpumoe_activation_values(cpumoe_activation activation, float alpha, float limit,
+                                       size_t n, const float *gate, const float *up, float *out);
+
 typedef enum cpumoe_gating_score {
   CPUMOE_SCORE_SOFTMAX = 0,
   CPUMOE_SCORE_SIGMOID = 1,

@@ -29,6 +29,7 @@
 #define CPUMOE_FOR_EACH_TIER(X) \
   X(SCALAR, scalar, 0, scalar, "fp32-chain", "", 0) \
   X(AVX2, avx2, 1, scalar, "fp32-chain", "-mavx2 -mfma -mf16c", CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) | CM_FEATURE(F16C)) \
+  X(AVX2VNNI, avx2vnni, 5, avx2, "fp32-chain", "-mavxvnni", CM_FEATURE(AVX_VNNI)) \
   X(AVX512, avx512, 2, avx2, "fp32-chain", "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mprefer-vector-width=512", CM_FEATURE(AVX512F) | CM_FEATURE(AVX512BW) | CM_FEATURE(AVX512VL) | CM_FEATURE(AVX512DQ) | CM_FEATURE(AVX512VNNI)) \
   X(AVX512BF16, avx512bf16, 3, avx512, "fp32-chain-daz", "-mavx512bf16 -mavx512vbmi", CM_FEATURE(AVX512BF16) | CM_FEATURE(AVX512VBMI)) \
   X(AMX, amx, 4, avx512bf16, "amx-bf16", "-mamx-tile -mamx-bf16 -mamx-int8", CM_FEATURE(AMX_TILE) | CM_FEATURE(AMX_BF16) | CM_FEATURE(AMX_INT8))

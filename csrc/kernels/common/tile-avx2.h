@@ -13,6 +13,7 @@
 #include "common/ukernels.h"
 
 #define CM_TILE_MR_AVX2 4
+#define CM_TILE_MR_AVX2VNNI 6 /* the INT8 (and INT4 prefill) tile of avx2vnni */
 
 #define CM_INLINE static inline __attribute__((always_inline))
 
@@ -59,6 +60,18 @@ CM_INLINE void cm_tile_store__avx2(const int mr, const __m256 *acc0, const __m25
     case 2: body(2, __VA_ARGS__); break;  \
     case 3: body(3, __VA_ARGS__); break;  \
     default: body(4, __VA_ARGS__); break; \
+  }
+
+/* the same for rows = mr (1..6): tiles whose accumulators fit 6 rows (int8/gemm-avx2vnni.c) */
+#define CM_MR_SWITCH6(body, ...)          \
+  CM_EXPECT(mr >= 1 && mr <= 6);          \
+  switch (mr) {                           \
+    case 1: body(1, __VA_ARGS__); break;  \
+    case 2: body(2, __VA_ARGS__); break;  \
+    case 3: body(3, __VA_ARGS__); break;  \
+    case 4: body(4, __VA_ARGS__); break;  \
+    case 5: body(5, __VA_ARGS__); break;  \
+    default: body(6, __VA_ARGS__); break; \
   }
 
 #endif

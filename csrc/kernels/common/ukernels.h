@@ -179,8 +179,8 @@ typedef void (*cm_gemm_mxfp4_fn)(size_t mr, size_t k, const void *a_panel, size_
  * weights) multiplies by every panel. */
 typedef void (*cm_mxfp4_decode_fn)(size_t k, const uint8_t *b, const uint8_t *scales, void *dst);
 
-/* out[i] = silu(gate[i]) * up[i] */
-typedef void (*cm_silu_mul_fn)(size_t n, const float *gate, const float *up, float *out);
+/* out[i] = act(gate[i]) * up[i], act = silu or erf-gelu (see common/numeric.h) */
+typedef void (*cm_gated_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
 typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha, float limit,
                              float *out);
@@ -283,7 +283,7 @@ typedef struct cm_gemm_config {
 } cm_gemm_config;
 
 typedef struct cm_elementwise_kernels {
-  cm_silu_mul_fn silu_mul;
+  cm_gated_fn silu_mul, gelu_mul;
   cm_swiglu_fn swiglu;
   cm_widen_fn widen_bf16, widen_f16;
   cm_narrow_fn narrow_bf16, narrow_f16;
@@ -331,6 +331,7 @@ const cm_tier_config *cm_active_config(void);
  * compiled once per tier. */
 #define CM_DECLARE_ELEMENTWISE(tier)                                                       \
   void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                 \
+  void cm_gelu_mul__##tier(size_t, const float *, const float *, float *);                 \
   void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);     \
   void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                           \
   void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                            \
@@ -403,6 +404,17 @@ void cm_u8s8_gemm_decode_mrx32__avx2(size_t, size_t, const uint8_t *, size_t, co
                                      int32_t *, int, cm_prefetch);
 void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t, const uint8_t *,
                                     size_t, const int32_t *, float *, int);
+void cm_fp8_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const uint8_t *,
+                                    const float *, float *, int);
+
+/* avx2vnni: vpdpbusd on ymm (schemes/int8, schemes/int4, probe) */
+void cm_u8s8_gemm_s32acc_mrx32__avx2vnni(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                         int32_t *, int, cm_prefetch);
+void cm_u8s8_gemm_decode_mrx32__avx2vnni(size_t, size_t, const uint8_t *, size_t, const int8_t *,
+                                         int32_t *, int, cm_prefetch);
+void cm_int4_gemm_decode_1x32__avx2vnni(size_t, const cm_int4_tile *, size_t, size_t,
+                                        const uint8_t *, size_t, const int32_t *, float *, int);
+double cm_probe_int8_loop__avx2vnni(int64_t);
 
 /* avx512bf16: vdpbf16ps on BF16_PAIRS panels (schemes/unquant, schemes/fp8) */
 void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const void *,

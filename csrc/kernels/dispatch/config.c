@@ -23,6 +23,7 @@
 /* Rows of each tier's GEMM register tile (the register budget: common/tile-<tier>.h). */
 #define CM_TILE_MR_SCALAR 4
 #define CM_TILE_MR_AVX2 4
+#define CM_TILE_MR_AVX2VNNI 6
 #define CM_TILE_MR_AVX512 12
 #define CM_TILE_MR_AMX 32
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
@@ -32,6 +33,7 @@
 #define CM_ELEMENTWISE_KERNELS(tier)                     \
   ((cm_elementwise_kernels){                             \
       .silu_mul = cm_silu_mul__##tier,                   \
+      .gelu_mul = cm_gelu_mul__##tier,                   \
       .swiglu = cm_swiglu__##tier,                       \
       .widen_bf16 = cm_widen_bf16__##tier,               \
       .widen_f16 = cm_widen_f16__##tier,                 \
@@ -118,7 +120,8 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 
 /* A tier that has its own version of every kernel kind (its tile rows still to be set). The
  * unquantized, INT8 and INT4 sets have no decode kernel of their own, so a parent's decode
- * split for them is dropped with the parent's kernels. */
+ * split for them is dropped with the parent's kernels; FP8's decode kernel takes its
+ * CM_DECODE_MAX_ROWS again. */
 #define CM_OVERRIDE_EVERY_KERNEL(c, tier)                                            \
   do {                                                                               \
     (c)->elementwise = CM_ELEMENTWISE_KERNELS(tier);                                 \
@@ -129,6 +132,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
       (c)->gemm[CM_UNQUANT][act].decode_max_rows = 0;                                \
       (c)->gemm[CM_INT8][act].decode_max_rows = 0;                                   \
       (c)->gemm[CM_INT4][act].decode_max_rows = 0;                                   \
+      (c)->gemm[CM_FP8][act].decode_max_rows = CM_DECODE_MAX_ROWS;                   \
       (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
       (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
       (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
@@ -147,6 +151,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
 #define CM_AVX2_INT4_DECODE_ROWS 1
+#define CM_AVX2_FP8_DECODE_ROWS 2   /* 4 accumulators a row beside the decoded weights */
 #define CM_AVX2_MXFP4_DECODE_ROWS 2 /* 4 accumulators per row for the 32 columns in one pass */
 /* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
 static cm_gemm_config *with_decode(cm_gemm_config *g, size_t max_rows, cm_panel_format format) {
@@ -166,7 +171,25 @@ static void cm_config_init__avx2(cm_tier_config *c) {
         ->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
         ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+    with_decode(&c->gemm[CM_FP8][act], CM_AVX2_FP8_DECODE_ROWS, CM_PANEL_F32)
+        ->kernels.fp8.gemm_decode = cm_fp8_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_MXFP4][act], CM_AVX2_MXFP4_DECODE_ROWS, CM_PANEL_F32);
+  }
+}
+
+/* AVX-VNNI (AVX2 CPUs with the VEX vpdpbusd): INT8 and INT4 sum u8 x s8 products straight
+ * into int32 lanes, one instruction per 4 products where avx2 needs a widening multiply and
+ * an add per 2; the same exact integers, so avx2's bits. Everything else is avx2's. */
+static void cm_config_init__avx2vnni(cm_tier_config *c) {
+  c->probes.int8 = cm_probe_int8_loop__avx2vnni;
+  for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
+    c->gemm[CM_INT8][act].mr = c->gemm[CM_INT4][act].mr = CM_TILE_MR_AVX2VNNI;
+    cm_int8_kernels *int8 = &c->gemm[CM_INT8][act].kernels.int8;
+    int8->gemm = cm_u8s8_gemm_s32acc_mrx32__avx2vnni;
+    int8->gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2vnni;
+    cm_int4_kernels *int4 = &c->gemm[CM_INT4][act].kernels.int4;
+    int4->gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__avx2vnni;
+    int4->gemm_decode = cm_int4_gemm_decode_1x32__avx2vnni;
   }
 }
 

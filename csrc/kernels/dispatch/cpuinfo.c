@@ -72,6 +72,7 @@ uint64_t cm_detect_cpu_features(char *note, size_t note_size) {
     add_if(&cpu, edx, 25, CM_FEATURE(AMX_INT8));
     if (max_sub >= 1) {
       __cpuid_count(7, 1, eax, ebx, ecx, edx);
+      add_if(&cpu, eax, 4, CM_FEATURE(AVX_VNNI));
       add_if(&cpu, eax, 5, CM_FEATURE(AVX512BF16));
     }
   }
@@ -80,8 +81,8 @@ uint64_t cm_detect_cpu_features(char *note, size_t note_size) {
   const int os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
   const int os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* plus opmask, ZMM_Hi256, Hi16_ZMM */
   const int os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
-  const uint64_t avx_family =
-      CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) | CM_FEATURE(F16C);
+  const uint64_t avx_family = CM_FEATURE(AVX) | CM_FEATURE(AVX2) | CM_FEATURE(FMA) |
+                              CM_FEATURE(F16C) | CM_FEATURE(AVX_VNNI);
   const uint64_t avx512_family = CM_FEATURE(AVX512F) | CM_FEATURE(AVX512DQ) | CM_FEATURE(AVX512BW) |
                                  CM_FEATURE(AVX512VL) | CM_FEATURE(AVX512VNNI) |
                                  CM_FEATURE(AVX512VBMI) | CM_FEATURE(AVX512BF16) |

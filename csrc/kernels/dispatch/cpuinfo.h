@@ -12,6 +12,7 @@
   X(AVX2, "avx2")                  \
   X(FMA, "fma")                    \
   X(F16C, "f16c")                  \
+  X(AVX_VNNI, "avx-vnni")          \
   X(AVX512F, "avx512f")            \
   X(AVX512DQ, "avx512dq")          \
   X(AVX512BW, "avx512bw")          \

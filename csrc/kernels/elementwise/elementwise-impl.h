@@ -31,6 +31,11 @@ void CM_TIERED(cm_silu_mul)(size_t n, const float *restrict gate, const float *r
   for (size_t i = 0; i < n; i++) out[i] = cm_siluf(gate[i]) * up[i];
 }
 
+void CM_TIERED(cm_gelu_mul)(size_t n, const float *restrict gate, const float *restrict up,
+                            float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_geluf(gate[i]) * up[i];
+}
+
 void CM_TIERED(cm_swiglu)(size_t n, const float *restrict gate, const float *restrict up,
                           float alpha, float limit, float *restrict out) {
   for (size_t i = 0; i < n; i++) out[i] = cm_swiglu_clampf(gate[i], up[i], alpha, limit);

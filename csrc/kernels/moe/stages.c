@@ -55,7 +55,9 @@ static void gemm1_task(void *ctx, int64_t t) {
   int64_t tile; /* intermediate columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles1, &tile);
   const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
-  /* silu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
+  const cm_gated_fn gated =
+      p->activation == CPUMOE_ACT_GELU_MUL ? r->ew->gelu_mul : r->ew->silu_mul;
+  /* silu, gelu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
    * interleave gate/up. Either way two 32-row weight blocks. */
   const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
   const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
@@ -82,7 +84,7 @@ static void gemm1_task(void *ctx, int64_t t) {
     } else {
       if (bias)
         for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
-      r->ew->silu_mul(CM_NR, h0, h1, out);
+      gated(CM_NR, h0, h1, out);
     }
     r->round16(CM_NR, out);
   }
@@ -128,6 +130,19 @@ static void reduce_task(void *ctx, int64_t t) {
     }
     r->narrow(n, acc, (uint16_t *)p->out + m * K + k0);
   }
+}
+
+cpumoe_status cpumoe_activation_values(cpumoe_activation activation, float alpha, float limit,
+                                       size_t n, const float *gate, const float *up, float *out) {
+  if (n > 0 && (!gate || !up || !out))
+    return cm_fail(CPUMOE_EINVAL, "gate, up and out must not be NULL");
+  const cm_elementwise_kernels *ew = &cm_active_config()->elementwise;
+  switch (activation) {
+    case CPUMOE_ACT_SILU_MUL: ew->silu_mul(n, gate, up, out); return CPUMOE_OK;
+    case CPUMOE_ACT_GELU_MUL: ew->gelu_mul(n, gate, up, out); return CPUMOE_OK;
+    case CPUMOE_ACT_SWIGLU_CLAMP: ew->swiglu(n, gate, up, alpha, limit, out); return CPUMOE_OK;
+  }
+  return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)activation);
 }
 
 /* The tier's config for the problem's scheme and activation dtype; NULL if the scheme is

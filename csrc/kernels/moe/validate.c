@@ -65,7 +65,8 @@ cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p) {
                    CM_MAX_TOPK);
   st = check_tensor_bytes(p, traits);
   if (st != CPUMOE_OK) return st;
-  if (p->activation != CPUMOE_ACT_SILU_MUL && p->activation != CPUMOE_ACT_SWIGLU_CLAMP)
+  if (p->activation != CPUMOE_ACT_SILU_MUL && p->activation != CPUMOE_ACT_SWIGLU_CLAMP &&
+      p->activation != CPUMOE_ACT_GELU_MUL)
     return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)p->activation);
   if ((p->w1_bias == NULL) != (p->w2_bias == NULL))
     return cm_fail(CPUMOE_EINVAL, "w1_bias and w2_bias must be given together");

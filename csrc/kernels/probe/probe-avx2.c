@@ -1,7 +1,7 @@
 /*
  * Machine-limit probes, AVX2 tier (see probe-avx512.c): 32-byte loads into 8 integer
- * adds; 12 independent ymm chains (of 16 registers) for the FMA and int8 peaks, held in
- * named variables behind an empty asm so they stay in registers.
+ * adds; 12 independent ymm chains (of 16 registers, probe/chains-avx2.h) for the FMA and
+ * int8 peaks.
  */
 #include <immintrin.h>
 
@@ -23,21 +23,7 @@ double cm_probe_read_chunk__avx2(const void *buffer, size_t bytes) {
   return (double)(out[0] + out[1] + out[2] + out[3]);
 }
 
-#ifdef CM_PORTABLE_INTRINSICS
-/* The emulating test build (tools/build_c_tests.py): its vectors live in memory, not in ymm
- * registers, and its intrinsics layer cannot run asm; the sink still uses every chain. */
-#define CM_KEEP_IN_REGISTERS12()
-#else
-/* asm: an empty asm that takes and gives back each accumulator keeps it in its own register */
-#define CM_KEEP_IN_REGISTERS12()                                                     \
-  __asm__ volatile("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5)); \
-  __asm__ volatile("" : "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9), "+x"(c10), "+x"(c11))
-#endif
-
-#define CM_CHAINS12(OP)                                                                      \
-  c0 = OP(c0), c1 = OP(c1), c2 = OP(c2), c3 = OP(c3), c4 = OP(c4), c5 = OP(c5), c6 = OP(c6), \
-  c7 = OP(c7), c8 = OP(c8), c9 = OP(c9), c10 = OP(c10), c11 = OP(c11);                       \
-  CM_KEEP_IN_REGISTERS12()
+#include "probe/chains-avx2.h" /* CM_CHAINS12 */
 
 double cm_probe_fma_loop__avx2(int64_t iterations) {
   const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);

@@ -198,6 +198,9 @@ CM_EMU __m512 cm_emu_mm512_cvtpbh_ps(__m256bh a) {
 }
 #define _mm512_cvtpbh_ps(a) cm_emu_mm512_cvtpbh_ps(a)
 
+/* AVX-VNNI's vpdpbusd (VEX): the same lanes as AVX512-VNNI's 256-bit form, which SIMDe has */
+#define _mm256_dpbusd_avx_epi32(src, a, b) simde_mm256_dpbusd_epi32(src, a, b)
+
 /* AMX, as GCC's <immintrin.h> has it */
 #include "amx.h"
 

@@ -26,11 +26,13 @@
 #ifdef CM_PORTABLE_INTRINSICS
 #define CM_TARGET static
 #define CM_TARGET_BF16 static
+#define CM_TARGET_AVXVNNI static
 #define VARIANT "emulated"
 #else
 /* only these functions use the instructions, so the rest runs on any x86-64 */
 #define CM_TARGET static __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq")))
 #define CM_TARGET_BF16 static __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define CM_TARGET_AVXVNNI static __attribute__((target("avx2,avxvnni")))
 #define VARIANT "native"
 #endif
 
@@ -133,6 +135,28 @@ CM_TARGET void test_compare_and_reduce(void) {
   float f[16] = {0x1p30f, 1.0f, 1.0f, 0, 0, 0, 0, 0, -0x1p30f, 1.0f, 1.0f};
   const float got = _mm512_reduce_add_ps(_mm512_loadu_ps(f));
   check(got == 4.0f, "_mm512_reduce_add_ps: 2^30 and -2^30 meet first", 0);
+}
+
+/* vpdpbusd: each dword lane of src plus the four products of a's unsigned bytes with b's
+ * signed bytes of that lane, wrapping at 32 bits (no saturation) */
+CM_TARGET_AVXVNNI void test_dpbusd_avx(void) {
+  for (int t = 0; t < TRIALS; t++) {
+    uint8_t a[32], b[32];
+    uint32_t src[8], got[8];
+    rnd_bytes(a, sizeof a), rnd_bytes(b, sizeof b), rnd_bytes(src, sizeof src);
+    if (t == 0) memset(a, 255, sizeof a), memset(b, 0x80, sizeof b); /* 4 x 255 x -128 */
+    const __m256i r = _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)src),
+                                              _mm256_loadu_si256((const __m256i *)a),
+                                              _mm256_loadu_si256((const __m256i *)b));
+    memcpy(got, &r, sizeof got);
+    int ok = 1;
+    for (int j = 0; j < 8; j++) {
+      uint32_t want = src[j];
+      for (int i = 4 * j; i < 4 * j + 4; i++) want += (uint32_t)((int32_t)a[i] * (int8_t)b[i]);
+      ok &= got[j] == want;
+    }
+    check(ok, "_mm256_dpbusd_avx_epi32: u8 x s8 quads added to each dword, wrapping", t);
+  }
 }
 
 CM_TARGET void test_fmadd(void) {
@@ -272,7 +296,12 @@ int main(void) {
 #ifdef CM_PORTABLE_INTRINSICS
   test_bf16();
   test_amx_names();
+  test_dpbusd_avx();
 #else
+  if (__builtin_cpu_supports("avxvnni"))
+    test_dpbusd_avx();
+  else
+    printf("shim test (native): no AVX-VNNI here, its statement is not checked\n");
   unsigned eax, ebx, ecx, edx; /* AVX512_BF16: CPUID.(7,1):EAX[5] */
   if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 5 & 1))
     test_bf16();

@@ -16,7 +16,8 @@
  * never saturated. CM_INT4_I16_QUADS = 8 k-quads add up in int16 (|.| <= 30720 < 2^15)
  * before vpmaddwd with ones widens each column's sum to int32. Per 64 bytes of nibbles that
  * is 2 loads, 6 mask/shift ops, 4 vpmaddubsw and 4 vpaddw, plus the activation broadcast.
- * The zero points come in once per block as zero x sum q with the row's block sums (moe/
+ * The loop around these block sums is int4/decode-avx2.h's: the zero points come in once per
+ * block as zero x sum q with the row's block sums (moe/
  * panels.c), then one fmaf per column with the group scale: the exact block sum and the same
  * fold as the unpack path and the avx512 decode, so the same bits. Registers: 4 int16,
  * 4 int32 and 4 fp32 accumulators (columns 0-7 ... 24-31) + 4 temporaries = 16 ymm.
@@ -27,78 +28,53 @@
 #include "common/int4.h"
 #include "common/tile-avx2.h"
 #include "common/ukernels.h"
+#include "schemes/int4/decode-avx2.h" /* the decode loop around the block sums */
 
-/* zero points of 8 columns as int32 lanes */
-static inline __m256i zero_ints(const int8_t *zero) {
-  int64_t z;
-  memcpy(&z, zero, 8);
-  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(z));
-}
-
-/* the same, each repeated over the 4 bytes of its dword */
+/* the zero points of 8 columns (cm_int4_zero_ints__avx2), each repeated over the 4 bytes of
+ * its dword */
 static inline __m256i zero_dwords(const int8_t *zero) {
-  return _mm256_mullo_epi32(zero_ints(zero), _mm256_set1_epi32(0x01010101));
+  return _mm256_mullo_epi32(cm_int4_zero_ints__avx2(zero), _mm256_set1_epi32(0x01010101));
 }
 
-/* Decode read-ahead: nibble bytes ahead into L1 and L2 (tile-avx2.h), rounded up to whole
- * blocks, and the zero points and scales this many groups ahead, as gemm-avx512.c. */
-#define CM_INT4_META_GROUPS_AHEAD 4
 #define CM_INT4_I16_QUADS 8 /* k-quads summed in int16 before widening (header) */
+
+/* One block's sum q w per column (decode-avx2.h): vpmaddubsw into int16 for up to
+ * CM_INT4_I16_QUADS k-quads at a time, then vpmaddwd with ones into int32. */
+static inline __attribute__((always_inline)) void block_sums_maddubs(const uint8_t *block,
+                                                                     size_t quads,
+                                                                     const uint8_t *ab, size_t as,
+                                                                     const cm_int4_readahead *ra,
+                                                                     __m256i sum32[4]) {
+  const __m256i low_nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i flip_sign = _mm256_set1_epi8((char)0x80); /* q + 128 -> q */
+  for (size_t kq0 = 0; kq0 < quads; kq0 += CM_INT4_I16_QUADS) {
+    const size_t kq1 = kq0 + CM_INT4_I16_QUADS < quads ? kq0 + CM_INT4_I16_QUADS : quads;
+    __m256i sum16[4];
+    for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
+    for (size_t kq = kq0; kq < kq1; kq++) {
+      cm_int4_readahead_quad(ra, block, kq);
+      int32_t q4;
+      memcpy(&q4, ab + kq * as * 4, 4);
+      const __m256i x = _mm256_xor_si256(_mm256_set1_epi32(q4), flip_sign);
+      for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(block + kq * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        sum16[2 * h] = _mm256_add_epi16(sum16[2 * h], _mm256_maddubs_epi16(lo, x));
+        sum16[2 * h + 1] = _mm256_add_epi16(sum16[2 * h + 1], _mm256_maddubs_epi16(hi, x));
+      }
+    }
+    for (int j = 0; j < 4; j++)
+      sum32[j] = _mm256_add_epi32(sum32[j], _mm256_madd_epi16(sum16[j], ones));
+  }
+}
 
 void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
                                     const uint8_t *a, size_t as, const int32_t *q_sums, float *c,
                                     int accumulate) {
   CM_EXPECT(mr == 1);
   (void)mr;
-  const size_t bk = w->bk, block_bytes = cm_int4_block_bytes(bk), quads = bk / 4;
-  const size_t ahead_l1 = cm_int4_blocks_covering(CM_DECODE_PF_L1_BYTES_AVX2, bk);
-  const size_t ahead_l2 = cm_int4_blocks_covering(CM_DECODE_PF_L2_BYTES_AVX2, bk);
-  const __m256i low_nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const __m256i flip_sign = _mm256_set1_epi8((char)0x80); /* q + 128 -> q */
-  __m256 out[4];
-  for (int j = 0; j < 4; j++)
-    out[j] = accumulate ? _mm256_loadu_ps(c + 8 * j) : _mm256_setzero_ps();
-  size_t group, group_left;
-  cm_int4_group_of_block(kb0, w->group_blocks, &group, &group_left);
-  for (size_t b = 0; b < nb; b++) {
-    const uint8_t *block = w->blocks + (kb0 + b) * block_bytes;
-    cm_int4_prefetch_group_meta(w, group, CM_INT4_META_GROUPS_AHEAD);
-    const uint8_t *ab = a + b * bk * as;
-    __m256i sum32[4];
-    for (int j = 0; j < 4; j++) sum32[j] = _mm256_setzero_si256();
-    for (size_t kq0 = 0; kq0 < quads; kq0 += CM_INT4_I16_QUADS) {
-      const size_t kq1 = kq0 + CM_INT4_I16_QUADS < quads ? kq0 + CM_INT4_I16_QUADS : quads;
-      __m256i sum16[4];
-      for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
-      for (size_t kq = kq0; kq < kq1; kq++) {
-        _mm_prefetch((const char *)(block + ahead_l1 * block_bytes + kq * 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(block + ahead_l2 * block_bytes + kq * 64), _MM_HINT_T1);
-        int32_t q4;
-        memcpy(&q4, ab + kq * as * 4, 4);
-        const __m256i x = _mm256_xor_si256(_mm256_set1_epi32(q4), flip_sign);
-        for (int h = 0; h < 2; h++) {
-          const __m256i v = _mm256_loadu_si256((const __m256i *)(block + kq * 64 + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, low_nibbles);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-          sum16[2 * h] = _mm256_add_epi16(sum16[2 * h], _mm256_maddubs_epi16(lo, x));
-          sum16[2 * h + 1] = _mm256_add_epi16(sum16[2 * h + 1], _mm256_maddubs_epi16(hi, x));
-        }
-      }
-      for (int j = 0; j < 4; j++)
-        sum32[j] = _mm256_add_epi32(sum32[j], _mm256_madd_epi16(sum16[j], ones));
-    }
-    /* sum q (w - zero) = sum q w - zero sum q, then one fmaf per column */
-    const int8_t *zero = w->zeros + group * CM_NR;
-    const float *scale = w->scales + group * CM_NR;
-    const __m256i q_sum = _mm256_set1_epi32(q_sums[b * as]);
-    for (int j = 0; j < 4; j++) {
-      const __m256i exact =
-          _mm256_sub_epi32(sum32[j], _mm256_mullo_epi32(zero_ints(zero + 8 * j), q_sum));
-      out[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(scale + 8 * j), out[j]);
-    }
-    if (--group_left == 0) group++, group_left = w->group_blocks;
-  }
-  for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + 8 * j, out[j]);
+  CM_INT4_DECODE_1X32_AVX2(block_sums_maddubs, w, kb0, nb, a, as, q_sums, c, accumulate);
 }
 
 void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {

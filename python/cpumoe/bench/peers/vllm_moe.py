@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional, Tuple, Union
 import torch
 
 from ... import cpu_features
+from ..._switch import vllm_kernel_file
 from .common import PEER_AGREEMENT, PeerFormat, cached, copies, package_dir
 
 if TYPE_CHECKING:
@@ -57,10 +58,7 @@ def vllm_ops(filename: str) -> Tuple[Optional[object], Optional[str]]:
 
 def vllm_library_file() -> Optional[str]:
     """The build vLLM itself loads on this CPU, or None on a CPU without AVX2."""
-    features = set(cpu_features())
-    if "avx512f" in features:
-        return "_C.abi3.so" if "avx512bf16" in features else "_C_AVX512.abi3.so"
-    return "_C_AVX2.abi3.so" if "avx2" in features else None
+    return vllm_kernel_file(cpu_features())
 
 
 def vllm_library() -> Tuple[Optional[object], Optional[str]]:
