@@ -10,12 +10,13 @@ fixtures live in conftest.py, the bit-exact models of the kernels in exact_refer
 * inputs: ``make_routing`` / ``make_weights`` / ``make_hidden`` / ``make_bias`` like
   SGLang's tests (softmax scores + topk), scaled so that every intermediate and the output
   are O(1); per scheme ``make_int8_weights`` / ``make_fp8_weights`` / ``Int4Weights`` /
-  ``make_quantized_hidden`` / ``make_scheme_weights``;
-* calls: ``run_fused`` / ``run_fused_int8`` / ``run_fused_fp8`` / ``run_fused_int4``,
+  ``make_quantized_hidden`` / ``make_mxfp4_weights`` / ``make_scheme_weights``;
+* calls: ``run_fused`` / ``run_fused_int8`` / ``run_fused_fp8`` / ``run_fused_int4`` /
+  ``run_fused_mxfp4``,
   ``call_fused`` / ``DROP`` / ``raises`` for the error tests, ``subprocess_env``;
 * tolerances against reference.py, each with its reasoning: ``TOL`` /
-  ``assert_moe_close`` (16-bit weights), ``TOL_INT8`` / ``TOL_FP8`` / ``TOL_INT4`` with
-  ``assert_row_close`` and its per-scheme forms.
+  ``assert_moe_close`` (16-bit weights), ``TOL_INT8`` / ``TOL_FP8`` / ``TOL_INT4`` /
+  ``TOL_MXFP4`` with ``assert_row_close`` and its per-scheme forms.
 """
 
 from __future__ import annotations
@@ -501,6 +502,76 @@ def assert_int4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "",
 
 
 # ---------------------------------------------------------------------------------------
+# MXFP4 (moe_comp_method 4) helpers.
+
+MXFP4 = 4  # moe_comp_method of MXFP4
+
+
+def make_mxfp4_weights(E: int, N: int, K: int, style: str = "quant"):
+    """MXFP4 expert weights as a checkpoint holds them (unpacked): uint8 codes c1 [E, 2N,
+    K/2], c2 [E, K, N/2] and e8m0 scales s1 [E, 2N, K/32], s2 [E, K, N/32], from
+    :func:`cpumoe.quant.quantize_mxfp4` of
+
+    * ``"quant"``: the float weights of :func:`make_weights` (gate/up values ~ N(0, 1) for
+      x ~ N(0, 1));
+    * ``"sglang"``: SGLang's own CPU test test_mxfp4_moe's, ``randn / 10`` (its
+      quantizer chooses the scales as ours does).
+    """
+    from cpumoe import quant
+
+    if style == "quant":
+        f1, f2 = make_weights(E, N, K, torch.float32)
+    elif style == "sglang":
+        f1, f2 = torch.randn(E, 2 * N, K) / 10, torch.randn(E, K, N) / 10
+    else:
+        raise ValueError(f"unknown mxfp4 weight style {style!r}")
+    c1, s1 = quant.quantize_mxfp4(f1)
+    c2, s2 = quant.quantize_mxfp4(f2)
+    return c1, s1, c2, s2
+
+
+def run_fused_mxfp4(x, c1, s1, c2, s2, tw, ti, *, is_vnni: bool = True, **kw) -> torch.Tensor:
+    """fused_experts with moe_comp_method=4 from unpacked codes and scales: the scales are
+    always packed (convert_scale_packed: is_vnni concerns the weights only, as in SGLang);
+    the codes are packed first when is_vnni, else the op packs them per call."""
+    if is_vnni:
+        c1, c2 = pack(c1), pack(c2)
+    return cpumoe.fused_experts(x, c1, c2, tw, ti, moe_comp_method=MXFP4,
+                                w1_scale=cpumoe.convert_scale_packed(s1),
+                                w2_scale=cpumoe.convert_scale_packed(s2), is_vnni=is_vnni, **kw)
+
+
+# Tolerance of MXFP4 outputs against reference.fused_experts(..., moe_comp_method=4). Both
+# sides decode every weight exactly (e2m1 times a power of two is a bf16 number), so what
+# differs is exactly what differs for 16-bit weights (TOL above) with the rounding of the
+# output and the intermediate: the order of the fp32 sums (torch's blocked GEMM against one
+# chain per element) and torch's exp against the kernels' polynomial, each able to flip the
+# 16-bit rounding of an intermediate a[n] (moving y[k] by w2[k, n] * ulp16(a[n]), ~2^-8 /
+# sqrt(N) of the row's rms for bf16) or of the output (one output ulp: <= 2^-7 |v| bf16,
+# 2^-10 |v| fp16). The intermediate flips are absolute in the row's scale, so the bound is
+# |out - ref| <= rtol |ref| + atol rms(row), as for FP8 (SGLang's data gives outputs ~0.05,
+# where a fixed atol of 1e-2 would accept 20% errors). A real error (a scale off by one
+# exponent, a nibble or row order mixed up, a zero code decoded as 2^(s-127), a swapped
+# gate/up, a dropped bias) moves outputs by O(10%-100%). exact_reference.mxfp4_exact_reference
+# removes every difference: tests that need more compare bit for bit against it.
+TOL_MXFP4 = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def assert_mxfp4_close(out: torch.Tensor, ref: torch.Tensor, msg: str = "") -> None:
+    """Within TOL_MXFP4 (no limit on how many elements differ by an ulp, as FP8: an
+    intermediate flip moves every output of its token a little)."""
+    assert_row_close(out, ref, TOL_MXFP4, msg, max_mismatch=None)
+
+
+def mxfp4_ref_kwargs(s1, s2) -> dict:
+    """reference.fused_experts's keyword arguments for unpacked MXFP4 scales."""
+    return dict(moe_comp_method=MXFP4, w1_scale=s1, w2_scale=s2)
+
+
+# ---------------------------------------------------------------------------------------
 # Any scheme.
 
 
@@ -509,7 +580,8 @@ def make_scheme_weights(method: int, E: int, N: int, K: int, dtype=torch.bfloat1
     """Unpacked w1 [E, 2N, K], w2 [E, K, N] of moe_comp_method 0 (in `dtype`), 1 (int8) or 2
     (fp8 with `block`), and the keyword arguments that go with them (moe_comp_method,
     scales, block_size), which the op (after packing w1/w2) and reference.fused_experts
-    both take. INT4 has its own form: Int4Weights."""
+    both take. INT4 has its own form: Int4Weights; MXFP4 too (make_mxfp4_weights: its
+    scales are packed for the op, unpacked for the reference)."""
     if method == 0:
         w1, w2 = make_weights(E, N, K, dtype)
         return w1, w2, dict(moe_comp_method=0)
@@ -539,6 +611,7 @@ CROSS_CLASS_TOLERANCE = {
     cpumoe.MoeCompMethod.INT8_W8A8: TOL_INT8,
     cpumoe.MoeCompMethod.FP8_W8A16: TOL_FP8,
     cpumoe.MoeCompMethod.INT4_W4A8: TOL_INT4,
+    cpumoe.MoeCompMethod.MXFP4: TOL_MXFP4,
 }
 
 

@@ -19,6 +19,8 @@ tolerance (CROSS_CLASS_TOLERANCE in cpumoe_testing.py) and still meet the spec.
 * ``fma_chain_matmul`` / ``fp8_block_linear`` / ``fp8_expert_exact`` /
   ``fp8_exact_reference`` / ``fp8_shared_exact_reference``: FP8 W8A16 in the kernels'
   order (each K block's FMA chain, folded in with its block scale);
+* ``mxfp4_expert_exact`` / ``mxfp4_exact_reference``: MXFP4 in the kernels' order (the
+  weights decoded exactly, one FMA chain per element: the bf16 scheme's order);
 * ``e4m3_value``: an e4m3fn byte's value from the format's definition.
 
 Every fused multiply-add is ``reference.fmaf`` (C's fmaf, exactly rounded once).
@@ -318,3 +320,32 @@ def fp8_shared_exact_reference(x, w1, s1, w2, s2, block, fused=None,
     if fused is not None:
         acc = acc + torch.tensor(factor, dtype=torch.float32) * fused.float()
     return acc.to(x.dtype)
+
+
+def mxfp4_expert_exact(x, c1, s1, c2, s2, b1=None, b2=None, alpha=None, limit=None,
+                       activation=None) -> torch.Tensor:
+    """One MXFP4 expert on rows x [T, K] in the kernels' operation order (fp32 [T, K] before
+    the topk weight): the weights decoded exactly (reference.dequantize_mxfp4), one FMA
+    chain per output element (fma_chain_matmul), + bias, the kernels' activation, rounding
+    to x's dtype, FMA chains, + bias: the bf16 scheme's order on the decoded weights."""
+    h = fma_chain_matmul(x, reference.dequantize_mxfp4(c1, s1))
+    if b1 is not None:
+        h = h + b1.float()
+    a = kernel_activate(h, alpha, limit, activation).to(x.dtype).float()
+    y = fma_chain_matmul(a, reference.dequantize_mxfp4(c2, s2))
+    if b2 is not None:
+        y = y + b2.float()
+    return y
+
+
+def mxfp4_exact_reference(x, c1, s1, c2, s2, tw, ti, w1_bias=None, w2_bias=None, alpha=None,
+                          limit=None, activation=None) -> torch.Tensor:
+    """reference.fused_experts(..., moe_comp_method=4) in the kernels' exact operation order
+    (mxfp4_expert_exact, slot_order_reference), for unpacked codes and scales. The MXFP4
+    kernels of the fp32-chain class must equal this bit for bit."""
+
+    def expert(rows, e):
+        return mxfp4_expert_exact(x[rows], c1[e], s1[e], c2[e], s2[e], _expert_bias(w1_bias, e),
+                                  _expert_bias(w2_bias, e), alpha, limit, activation)
+
+    return slot_order_reference(x, tw, ti, expert)

@@ -20,6 +20,7 @@ from cpumoe_testing import (
     CROSS_CLASS_TOLERANCE,
     DTYPES,
     INT4,
+    MXFP4,
     SUPPORTED_ISAS,
     Int4Weights,
     assert_elementwise_close,
@@ -27,6 +28,7 @@ from cpumoe_testing import (
     assert_row_close,
     assert_tiers_agree,
     make_bias,
+    make_mxfp4_weights,
     make_routing,
     make_scheme_weights,
     needs_two_tiers,
@@ -42,6 +44,7 @@ from exact_reference import (
     kernel_gelu_and_mul,
     kernel_silu_and_mul,
     kernel_swiglu_clamp,
+    mxfp4_exact_reference,
 )
 
 # cm_geluf's relative error bound wherever the result is a normal float (docs/NUMERICS.md);
@@ -127,7 +130,7 @@ def test_activation_values_errors():
 # ---------------------------------------------------------------------------------------
 # GELU in the fused MoE, every scheme.
 
-SCHEMES = {"bf16": 0, "int8": 1, "fp8": 2, "int4": INT4}
+SCHEMES = {"bf16": 0, "int8": 1, "fp8": 2, "int4": INT4, "mxfp4": MXFP4}
 
 
 def scheme_case(scheme: str, M: int, E: int, topk: int, N: int, K: int, dtype, bias: bool):
@@ -143,6 +146,13 @@ def scheme_case(scheme: str, M: int, E: int, topk: int, N: int, K: int, dtype, b
         op = (x, w.p1[0], w.p2[0], tw, ti, dict(**w.op_kwargs(), **kw))
         ref = (x, w.u1[0], w.u2[0], tw, ti, dict(**w.ref_kwargs(), **kw))
         return op, ref, lambda: int4_exact_reference(x, w, tw, ti, **kw)
+    if method == MXFP4:
+        c1, s1, c2, s2 = make_mxfp4_weights(E, N, K)
+        op = (x, pack(c1), pack(c2), tw, ti,
+              dict(moe_comp_method=MXFP4, w1_scale=cpumoe.convert_scale_packed(s1),
+                   w2_scale=cpumoe.convert_scale_packed(s2), **kw))
+        ref = (x, c1, c2, tw, ti, dict(moe_comp_method=MXFP4, w1_scale=s1, w2_scale=s2, **kw))
+        return op, ref, lambda: mxfp4_exact_reference(x, c1, s1, c2, s2, tw, ti, **kw)
     w1, w2, skw = make_scheme_weights(method, E, N, K, dtype, block=(32, 64))
     op = (x, pack(w1), pack(w2), tw, ti, dict(**skw, **kw))
     ref = (x, w1, w2, tw, ti, dict(**skw, **kw))

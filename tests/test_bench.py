@@ -218,7 +218,7 @@ def test_quick_preset_and_lists():
     n = torch.get_num_threads()
     q = parse(["--quick"])
     assert (q.shape, q.scheme, q.m, q.min_time) == (
-        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4"], [1, 64, 512], 0.3)
+        "qwen3-30b-a3b", ["bf16", "int8", "fp8", "int4", "mxfp4"], [1, 64, 512], 0.3)
     assert q.threads == ([n, 1] if n > 1 else [n]) and q.quick
     # explicit options win over the preset
     q = parse(["--quick", "--m", "2", "--threads", "1", "--scheme", "int8", "--min-time", "3"])
@@ -230,9 +230,9 @@ def test_quick_preset_and_lists():
     assert parse(["--dtype", "fp16"]).scheme == ["fp16"]
     a = parse(["--m", "all", "--scheme", "all,int8", "--threads", "1,2,2"])
     assert a.m == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    assert a.scheme == ["bf16", "fp16", "int8", "fp8", "int4"] and a.threads == [2, 1]
+    assert a.scheme == ["bf16", "fp16", "int8", "fp8", "int4", "mxfp4"] and a.threads == [2, 1]
     helptext = " ".join(parser.format_help().split())
-    assert "--quick" in helptext and "--scheme bf16,int8,fp8,int4 --m 1,64,512" in helptext
+    assert "--quick" in helptext and "--scheme bf16,int8,fp8,int4,mxfp4 --m 1,64,512" in helptext
     for bad in (["--m", "0"], ["--threads", "x"], ["--scheme", "int3"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -463,14 +463,15 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
 
 
 def test_peak_kind_per_scheme_and_activation_dtype():
-    """bf16 rows and fp8 rows with bf16 activations are judged against the bf16 peak; fp16
-    rows and fp8 rows with fp16 activations against the fp32 FMA peak; int8/int4 against
-    u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
+    """bf16 rows and fp8/mxfp4 rows with bf16 activations are judged against the bf16 peak;
+    fp16 rows and fp8/mxfp4 rows with fp16 activations against the fp32 FMA peak; int8/int4
+    against u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
     expected = {("bf16", "bf16"): "bf16", ("bf16", "fp16"): "bf16",
                 ("fp16", "bf16"): "fp32_fma", ("fp16", "fp16"): "fp32_fma",
                 ("fp8", "bf16"): "bf16", ("fp8", "fp16"): "fp32_fma",
                 ("int8", "bf16"): "u8s8", ("int8", "fp16"): "u8s8",
-                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8"}
+                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8",
+                ("mxfp4", "bf16"): "bf16", ("mxfp4", "fp16"): "fp32_fma"}
     got = {(name, d): scheme.peak_kind(d) for name, scheme in bench.SCHEMES.items()
            for d in ("bf16", "fp16")}
     assert got == expected

@@ -10,7 +10,9 @@ here denormals occur:
   cross-class tolerance of the portable tier;
 * where a denormal activation meets a huge weight, its product is far from negligible:
   the fp32-chain tiers keep it and the flushing tiers drop it, the one documented
-  difference, and nothing else moves.
+  difference, and nothing else moves;
+* the same for MXFP4's denormal weights (scales 0 and 1 decode to bf16 denormals) against a
+  huge activation.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from cpumoe_testing import (
     assert_elementwise_close,
     assert_row_close,
     make_fp8_weights,
+    make_mxfp4_weights,
     make_routing,
     make_weights,
     needs_two_tiers,
     run_fused,
     run_fused_fp8,
+    run_fused_mxfp4,
     use_isa,
 )
 
@@ -52,6 +56,8 @@ def _run(scheme: str, x, weights, tw, ti):
     if scheme == "bf16":
         w1, w2 = weights
         return run_fused(x, w1, w2, tw, ti, is_vnni=True)
+    if scheme == "mxfp4":
+        return run_fused_mxfp4(x, *weights, tw, ti)
     w1, s1, w2, s2, block = weights
     return run_fused_fp8(x, w1, s1, w2, s2, tw, ti, block, is_vnni=True)
 
@@ -59,7 +65,7 @@ def _run(scheme: str, x, weights, tw, ti):
 # M = 40 and E = 4 give blocks of more than 8 rows (the amx tier's tile kernels) and, with
 # M = 3, blocks of few rows (its vector kernels).
 @needs_two_tiers
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("M", [3, 40])
 def test_denormal_activations_within_tolerance(scheme, M):
     torch.manual_seed(7)
@@ -69,6 +75,9 @@ def test_denormal_activations_within_tolerance(scheme, M):
     if scheme == "bf16":
         weights = make_weights(E, N, K, torch.bfloat16)
         method = MoeCompMethod.UNQUANT
+    elif scheme == "mxfp4":
+        weights = make_mxfp4_weights(E, N, K)
+        method = MoeCompMethod.MXFP4
     else:
         block = (32, 64)
         weights = (*make_fp8_weights(E, N, K, block), block)
@@ -120,4 +129,35 @@ def test_flushing_is_the_difference(M):
             assert torch.equal(out, flushed), f"{tier} ({cls}) kept a denormal activation"
         else:
             assert not torch.equal(out, flushed), f"{tier} ({cls}) dropped a denormal"
+            assert out.float().abs().max() > 100 * flushed.float().abs().max(), tier
+
+
+@pytest.mark.parametrize("M", [1, 40])
+def test_flushing_of_mxfp4_denormal_weights(M):
+    """MXFP4 weights of scales 0 and 1 are bf16 denormals: w1's k = 0 holds code 1 with scale
+    0 (2^-128) in every row, the rest of that group zero codes, and activation column 0 is
+    2^118: the product 2^-10 is the only sizeable term of each gate/up value beside the tiny
+    rest. Where a tier flushes (the same calls as for bf16 weights: FLUSHES; MXFP4 on amx
+    runs every block on the tile unit), the output equals that of the same call with that
+    code zeroed; elsewhere the denormal weight counts."""
+    E, topk, N, K = 2, 1, 32, 64
+    torch.manual_seed(5)
+    c1, s1, c2, s2 = make_mxfp4_weights(E, N, K)
+    s1[:, :, 0] = 0
+    c1[:, :, :16] = 0
+    c1[:, :, 0] = 0x01  # k = 0: code 1 (0.5 * 2^-127), k = 1: code 0
+    c1_flushed = c1.clone()
+    c1_flushed[:, :, 0] = 0
+    x = torch.randn(M, K).to(torch.bfloat16) * 2.0 ** -20
+    x[:, 0] = 2.0 ** 118
+    tw, ti = make_routing(M, E, topk)
+    for tier in SUPPORTED_ISAS:
+        with use_isa(tier):
+            out = run_fused_mxfp4(x, c1, s1, c2, s2, tw, ti)
+            flushed = run_fused_mxfp4(x, c1_flushed, s1, c2, s2, tw, ti)
+        cls = cpumoe.numerics_class(tier)
+        if FLUSHES.get((cls, M), False):
+            assert torch.equal(out, flushed), f"{tier} ({cls}) kept a denormal weight"
+        else:
+            assert not torch.equal(out, flushed), f"{tier} ({cls}) dropped a denormal weight"
             assert out.float().abs().max() > 100 * flushed.float().abs().max(), tier

@@ -315,11 +315,22 @@ def test_block_size_with_method_0():
         fused(block_size=[64, 128])
 
 
-@pytest.mark.parametrize("method", [4, 5, 7, -1, 100])
+@pytest.mark.parametrize("method", [5, 7, -1, 100])
 def test_unknown_method(method):
-    with raises(rf"moe_comp_method must be 0 \(bf16/fp16\), 1 \(int8 w8a8\), 2 \(fp8 w8a16\) or 3 "
-                rf"\(int4 w4a8\), got {method}"):
+    with raises(rf"moe_comp_method must be 0 \(bf16/fp16\), 1 \(int8 w8a8\), 2 \(fp8 w8a16\), 3 "
+                rf"\(int4 w4a8\) or 4 \(mxfp4\), got {method}"):
         fused(moe_comp_method=method)
+
+
+def test_mxfp4_method_with_bf16_weights():
+    """moe_comp_method 4 (MXFP4) is implemented (tests/test_mxfp4.py): the weights are
+    checked before the scales, so bf16 weights are rejected naming w1 and the scheme, with
+    or without the uint8 scales."""
+    with raises(r"w1 must be Byte for moe_comp_method 4 \(mxfp4\), got BFloat16"):
+        fused(moe_comp_method=4)
+    with raises(r"w1 must be Byte for moe_comp_method 4 \(mxfp4\), got BFloat16"):
+        fused(moe_comp_method=4, w1_scale=torch.zeros(E, 2 * N, K // 32, dtype=torch.uint8),
+              w2_scale=torch.zeros(E, K, N // 32, dtype=torch.uint8))
 
 
 def test_int4_method_with_bf16_weights():
@@ -553,7 +564,15 @@ DROP = object()  # an override that leaves the argument out (None)
 
 def scheme_args(method: int, lead: tuple):
     """Valid packed w1 [*lead, 2N, K], w2 [*lead, K, N] and the scheme's keyword arguments
-    (scales, zeros, block_size) for moe_comp_method 0..3. Values do not matter here."""
+    (scales, zeros, block_size) for moe_comp_method 0..4. Values do not matter here."""
+    if method == 4:  # MXFP4: uint8 codes [.., OC, IC / 2], packed e8m0 scales [.., OC, IC / 32]
+        codes = (torch.zeros(*lead, 2 * N, K // 2, dtype=torch.uint8),
+                 torch.zeros(*lead, K, N // 2, dtype=torch.uint8))
+        scales = (torch.full((*lead, 2 * N, K // 32), 127, dtype=torch.uint8),
+                  torch.full((*lead, K, N // 32), 127, dtype=torch.uint8))
+        return pack(codes[0]), pack(codes[1]), dict(
+            w1_scale=cpumoe.convert_scale_packed(scales[0]),
+            w2_scale=cpumoe.convert_scale_packed(scales[1]))
     if method == 3:
         from cpumoe_testing import Int4Weights
 
@@ -599,12 +618,13 @@ def call_fused(method=0, *, cpu_kernel=False, **over):
 
 
 def call_shared(method=0, *, cpu_kernel=False, **over):
-    """shared_expert_cpu with valid arguments of `method` (the use_*_w8a* flags), `over`
-    applied; cpu_kernel as in call_fused."""
+    """shared_expert_cpu with valid arguments of `method` (the use_*_w8a* flags; 4 sets
+    use_mxfp4, the .mxfp4 overload's flag), `over` applied; cpu_kernel as in call_fused."""
     w1, w2, kw = scheme_args(method, ())
     a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2,
                     fused_experts_out=None, routed_scaling_factor=None,
-                    use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2, **kw), over)
+                    use_int8_w8a8=method == 1, use_fp8_w8a16=method == 2,
+                    **({"use_mxfp4": True} if method == 4 else {}), **kw), over)
     if cpu_kernel:
         return torch.ops.cpumoe.shared_expert_cpu.default.redispatch(
             CPU_KEYS, a["hidden_states"], a["w1"], a["w2"], a["fused_experts_out"],
@@ -706,6 +726,20 @@ def _f4(arg, what, **over):
     return Rejected("int4", arg, what, lambda: call_fused(3, **over))
 
 
+def _f5(arg, what, **over):
+    return Rejected("fused-mxfp4", arg, what, lambda: call_fused(4, **over))
+
+
+def call_pack_scales(scale, *, cpu_kernel=False):
+    if cpu_kernel:
+        return torch.ops.cpumoe.convert_scale_packed.default.redispatch(CPU_KEYS, scale)
+    return cpumoe.convert_scale_packed(scale)
+
+
+def _ps(arg, what, scale_fn):
+    return Rejected("pack-scales", arg, what, lambda: call_pack_scales(scale_fn()))
+
+
 def call_pack_int4(cpu_kernel=False, method=0, oc=64, ic=256, group=128, **over):
     """convert_weight_packed_scale_zp of valid AWQ tensors [2, oc, ic], `over` applied."""
     from cpumoe import quant
@@ -775,7 +809,7 @@ def _empty_k(call):
 
 CATALOGUE = [
     # -- fused_experts_cpu, every scheme ------------------------------------------------
-    _f("moe_comp_method", "not 0, 1, 2 or 3 (here 7)", moe_comp_method=7),
+    _f("moe_comp_method", "not 0 to 4 (here 7)", moe_comp_method=7),
     _f("hidden_states", "float32 (any dtype but bfloat16/float16)",
        hidden_states=torch.zeros(M, K)),
     _f("hidden_states", "not 2-D", hidden_states=torch.zeros(1, M, K, dtype=BF16)),
@@ -858,6 +892,22 @@ CATALOGUE = [
     _f2("w2_scale", "not contiguous", w2_scale=lambda a: torch.ones(E, 2, 2)[:, :, :1]),
     _f2("w1_zero", "given", w1_zero=torch.zeros(E, 2, 2)),
     _f2("w1", "not float8_e4m3fn", w1=pack(torch.zeros(E, 2 * N, K, dtype=torch.int8))),
+    # -- fused_experts_cpu, moe_comp_method 4 (MXFP4) -------------------------------------
+    _f5("w1_scale", "missing", w1_scale=DROP),
+    _f5("w2_scale", "missing", w2_scale=DROP),
+    _f5("w1_scale", "not uint8", w1_scale=lambda a: a["w1_scale"].float()),
+    _f5("w1_scale", "shape other than [E, 2N, K / 32] (here the size of [E, 2N, K / 32] "
+        "flattened)", w1_scale=lambda a: a["w1_scale"].flatten(1)),
+    _f5("w2_scale", "shape other than [E, K, N / 32] (here [E, K / 2, 2 N / 32])",
+        w2_scale=torch.zeros(E, K // 2, 2, dtype=torch.uint8)),
+    _f5("w2_scale", "not contiguous",
+        w2_scale=lambda a: torch.zeros(E, K, 2, dtype=torch.uint8)[:, :, :1]),
+    _f5("block_size", "given", block_size=[32, 32]),
+    _f5("w1_zero", "given", w1_zero=torch.zeros(E, 2 * N, 1, dtype=torch.int8)),
+    _f5("w1", "not uint8", w1=lambda a: a["w1"].view(torch.int8)),
+    _f5("w1", "shape other than [E, 2N, K / 2] (here [E, 2N, K])",
+        w1=torch.zeros(E, 2 * N, K, dtype=torch.uint8)),
+    _f5("w2", "not contiguous", w2=lambda a: _transposed(a["w2"])),
     # -- fused_experts_cpu.out (vLLM's out-variant) -------------------------------------
     _o("a1_scale", "given (vLLM's per-token activation scales of its FP8 W8A8 MoE)",
        a1_scale=torch.ones(M, 1)),
@@ -906,8 +956,13 @@ CATALOGUE = [
     _s("w2_scale", "shape other than [ceil(K / block_n), ceil(N / block_k)] (use_fp8_w8a16)",
        2, w2_scale=torch.ones(2, 2)),
     _s("use_mxfp4", "with use_int8_w8a8 (any two flags; .mxfp4 overload)", 1, use_mxfp4=True),
-    _s("use_mxfp4", "True in a build without the MXFP4 scheme (.mxfp4 overload)",
-       use_mxfp4=True),
+    _s("w1_scale", "missing (use_mxfp4, .mxfp4 overload)", 4, w1_scale=DROP),
+    _s("w1", "bf16 weights with use_mxfp4 (.mxfp4 overload)", 4,
+       w1=pack(torch.zeros(2 * N, K, dtype=BF16))),
+    _s("w2_scale", "not uint8 (use_mxfp4, .mxfp4 overload)", 4,
+       w2_scale=lambda a: a["w2_scale"].float()),
+    _s("w2_scale", "shape other than [K, N / 32] (use_mxfp4, .mxfp4 overload; here [K / 2, "
+       "2 N / 32])", 4, w2_scale=torch.zeros(K // 2, 2 * N // 32, dtype=torch.uint8)),
     _s("alpha", "without limit (.mxfp4 overload)", alpha=1.702),
     _s("limit", "without alpha (.mxfp4 overload)", limit=7.0),
     # -- convert_weight_packed ------------------------------------------------------------
@@ -923,8 +978,16 @@ CATALOGUE = [
        lambda: torch.zeros(32, 48, dtype=BF16)),
     _p("weight", "int8, columns (IC) above 65536", lambda: torch.zeros(32, 65568,
                                                                         dtype=torch.int8)),
-    _p("weight", "uint8 (SGLang's MXFP4 layout) with 16 or more rows",
-       lambda: torch.zeros(2, 32, 64, dtype=torch.uint8)),
+    _p("weight", "uint8 (MXFP4), rows (OC) not a multiple of 32 (here 48)",
+       lambda: torch.zeros(48, 16, dtype=torch.uint8)),
+    _p("weight", "uint8 (MXFP4), input features (2 per byte) not a multiple of 32 (here 48)",
+       lambda: torch.zeros(32, 24, dtype=torch.uint8)),
+    # -- convert_scale_packed ----------------------------------------------------------
+    _ps("scale", "not 2-D or 3-D", lambda: torch.zeros(2, 2, 32, 2, dtype=torch.uint8)),
+    _ps("scale", "not uint8", lambda: torch.zeros(32, 2)),
+    _ps("scale", "not contiguous", lambda: _transposed(torch.zeros(2, 64, 32, dtype=torch.uint8))),
+    _ps("scale", "rows (OC) not a multiple of 32 (here 48)",
+        lambda: torch.zeros(48, 2, dtype=torch.uint8)),
     # -- devices and layouts (any tensor argument of any op) ------------------------------
     Rejected("devices", "w1", "a meta tensor among CPU tensors",
              lambda: call_fused(0, w1=_meta("w1"))),
@@ -947,6 +1010,8 @@ CATALOGUE = [
           ("w2_bias", 0, dict(WITH_BIAS, w2_bias=lambda a: B2().to("meta"))),
           ("w1_scale", 1, dict(w1_scale=_meta("w1_scale"))),
           ("w2_scale", 2, dict(w2_scale=_meta("w2_scale")))]],
+    Rejected("devices", "w1_scale", "not a CPU tensor, reaching the CPU kernel (mxfp4's uint8 "
+             "scales)", lambda: call_fused(4, cpu_kernel=True, w1_scale=_meta("w1_scale"))),
     *[Rejected("devices", name, "not a CPU tensor, reaching the CPU kernel (shared_expert_cpu)",
                lambda over=over: call_shared(0, cpu_kernel=True, **over))
       for name, over in [
@@ -958,6 +1023,10 @@ CATALOGUE = [
     Rejected("devices", "weight", "not a CPU tensor, reaching the CPU kernel "
              "(convert_weight_packed)",
              lambda: call_pack(torch.zeros(32, 64, dtype=BF16, device="meta"), cpu_kernel=True)),
+    Rejected("devices", "scale", "not a CPU tensor, reaching the CPU kernel "
+             "(convert_scale_packed)",
+             lambda: call_pack_scales(torch.zeros(32, 2, dtype=torch.uint8, device="meta"),
+                                      cpu_kernel=True)),
     Rejected("devices", "", "a sparse tensor (fused_experts_cpu)",
              lambda: call_fused(0, hidden_states=lambda a: a["hidden_states"].to_sparse()),
              **SPARSE),
@@ -1175,9 +1244,10 @@ def test_catalogue_linear_baselines_pass(op):
 
 SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "fused": "fused_experts_cpu", "fused-int8": "fused_experts_cpu",
-    "fused-fp8": "fused_experts_cpu", "fused-out": "fused_experts_cpu",
-    "shared": "shared_expert_cpu",
-    "pack": "convert_weight_packed", "devices": "", "int4": "",
+    "fused-fp8": "fused_experts_cpu", "fused-mxfp4": "fused_experts_cpu",
+    "fused-out": "fused_experts_cpu", "shared": "shared_expert_cpu",
+    "pack": "convert_weight_packed", "pack-scales": "convert_scale_packed", "devices": "",
+    "int4": "",
     "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
     "linear": "(" + "|".join(LINEAR_OPS.values()) + ")",
 }
@@ -1194,7 +1264,7 @@ def observed_message(case: Rejected) -> str:
     raise AssertionError(f"{case}: the op accepted the input")
 
 
-@pytest.mark.parametrize("method", [0, 1, 2, 3])
+@pytest.mark.parametrize("method", [0, 1, 2, 3, 4])
 def test_catalogue_baselines_pass(method):
     """The valid arguments every catalogue case perturbs are accepted."""
     assert call_fused(method).shape == (M, K)
@@ -1203,9 +1273,13 @@ def test_catalogue_baselines_pass(method):
     if method < 3:
         assert call_shared(method).shape == (M, K)
         assert call_shared(method, cpu_kernel=True).shape == (M, K)
-    else:
+    elif method == 3:
         assert call_pack_int4()[0].dtype == torch.uint8
         assert call_pack_int4(cpu_kernel=True)[0].dtype == torch.uint8
+    else:
+        scale = torch.zeros(E, 2 * N, 2, dtype=torch.uint8)
+        assert call_pack_scales(scale).shape == scale.shape
+        assert call_pack_scales(scale, cpu_kernel=True).shape == scale.shape
 
 
 @pytest.mark.parametrize("op", ROUTING_OPS)
@@ -1222,7 +1296,7 @@ def test_rejected(case):
     msg = observed_message(case)
     op = SECTIONS[case.section] or (r"(fused_experts_cpu|shared_expert_cpu|"
                                     r"convert_weight_packed|convert_weight_packed_scale_zp|"
-                                    + SECTIONS["routing"][1:])
+                                    r"convert_scale_packed|" + SECTIONS["routing"][1:])
     if case.exc is NotImplementedError:  # torch's dispatcher: no kernel for the tensor type
         op = r"Could not run 'cpumoe::(fused_experts_cpu|convert_weight_packed)'"
     assert re.match(rf"{op}: " if case.exc is RuntimeError else op, msg), msg

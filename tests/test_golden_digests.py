@@ -9,6 +9,8 @@ are the same bits on any machine and torch build; weights are packed by our pack
 
 Record again only when an output is meant to change, and say why in the commit:
     python tests/test_golden_digests.py --record
+A new case (a new scheme's) gets its digest without touching the others:
+    python tests/test_golden_digests.py --record-new
 """
 
 import hashlib
@@ -91,6 +93,14 @@ def _fused_case(scheme, act, activation, bias, M, shape, extra):
                                    torch.float32),
                   w2_scale=_dyadic(gen, (E, -(-K // bn), -(-N // bk)), 1, 64, 10, torch.float32),
                   block_size=[bn, bk])
+    elif scheme == 4:  # MXFP4: every code, scales up to 2^-6 (weights up to 6 / 64)
+        c1, c2 = (_ints(gen, s, 0, 256).to(torch.uint8) for s in ((E, 2 * N, K // 2),
+                                                                    (E, K, N // 2)))
+        s1, s2 = (_ints(gen, s, 117, 122).to(torch.uint8) for s in ((E, 2 * N, K // 32),
+                                                                      (E, K, N // 32)))
+        w1, w2 = cpumoe.convert_weight_packed(c1), cpumoe.convert_weight_packed(c2)
+        kw = dict(w1_scale=cpumoe.convert_scale_packed(s1),
+                  w2_scale=cpumoe.convert_scale_packed(s2))
     else:
         g1, g2, fmt = extra
         p1 = _int4_checkpoint(gen, E, 2 * N, K, g1, fmt)
@@ -138,10 +148,11 @@ def _cases():
     """name -> a function returning the op's output. Names are stable: they key the file."""
     cases = {}
     shapes = [(8, 2, 64, 32), (6, 3, 96, 160)]
-    extras = {0: [None], 1: [None], 2: [(128, 128), (32, 64)], 3: [(32, 64, 0), (128, 32, 1)]}
+    extras = {0: [None], 1: [None], 2: [(128, 128), (32, 64)], 3: [(32, 64, 0), (128, 32, 1)],
+              4: [None]}
     acts = [torch.bfloat16, torch.float16]
     for scheme, act, activation, bias, M, shape in itertools.product(
-            range(4), acts, ("silu", "swiglu"), (False, True), (1, 3, 16, 37), shapes):
+            range(5), acts, ("silu", "swiglu"), (False, True), (1, 3, 16, 37), shapes):
         if activation == "swiglu" and not bias and M in (3, 16):
             continue  # swiglu is covered with and without bias at the other M
         for extra in extras[scheme]:
@@ -197,17 +208,19 @@ def test_golden_digests(isa):
     _check_tier(isa)
 
 
-def _record():
+def _record(only_new=False):
     torch.set_num_threads(1)
     cpumoe.set_isa(cpumoe.built_isas()[0])  # the portable tier
     assert cpumoe.numerics_class(cpumoe.isa()) == GOLDEN_CLASS
-    digests = {name: _digest(run()) for name, run in _cases().items()}
+    kept = _load() if only_new else {}
+    digests = {name: kept[name] if name in kept else _digest(run())
+               for name, run in _cases().items()}
     os.makedirs(os.path.dirname(DIGESTS), exist_ok=True)
     with open(DIGESTS, "w") as f:
         json.dump(digests, f, indent=0, sort_keys=True)
         f.write("\n")
-    print(f"recorded {len(digests)} digests on the {cpumoe.isa()} tier to {DIGESTS}")
+    print(f"recorded {len(digests) - len(kept)} digests on the {cpumoe.isa()} tier to {DIGESTS}")
 
 
-if __name__ == "__main__" and "--record" in sys.argv:
-    _record()
+if __name__ == "__main__" and ("--record" in sys.argv or "--record-new" in sys.argv):
+    _record(only_new="--record-new" in sys.argv)

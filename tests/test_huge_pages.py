@@ -48,11 +48,13 @@ def interior(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8,
-                                   torch.float8_e4m3fn])
+                                   torch.float8_e4m3fn, torch.uint8])
 def test_packed_weights_advised(dtype):
     E, OC, IC = 4, 256, 4096  # 4-8 MiB: a few huge pages inside
     if dtype == torch.int8:
         w = torch.randint(-127, 128, (E, OC, IC), dtype=torch.int8)
+    elif dtype == torch.uint8:  # MXFP4 codes, two a byte: [E, OC, IC / 2], 4 MiB
+        w = torch.randint(0, 256, (E, 2 * OC, IC // 2), dtype=torch.uint8)
     else:
         w = torch.randn(E, OC, IC).to(dtype)
     packed = cpumoe.convert_weight_packed(w)

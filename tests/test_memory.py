@@ -19,6 +19,7 @@ import torch
 import cpumoe
 from cpumoe_testing import (
     Int4Weights,
+    make_mxfp4_weights,
     make_routing,
     make_scheme_weights,
     make_weights,
@@ -56,6 +57,12 @@ def _fused(method, is_vnni=True, bad_ids=False):
     if method == 3:
         w = Int4Weights(E, N, K, 32)
         w1, w2, kw = w.p1[0], w.p2[0], w.op_kwargs()
+    elif method == 4:
+        w1, s1, w2, s2 = make_mxfp4_weights(E, N, K)
+        kw = dict(moe_comp_method=4, w1_scale=cpumoe.convert_scale_packed(s1),
+                  w2_scale=cpumoe.convert_scale_packed(s2))
+        if is_vnni:
+            w1, w2 = pack(w1), pack(w2)
     else:
         w1, w2, kw = make_scheme_weights(method, E, N, K)
         if is_vnni:
@@ -82,6 +89,8 @@ CASES = {
     "int8": lambda: _fused(1),
     "fp8": lambda: _fused(2),
     "int4": lambda: _fused(3),
+    "mxfp4": lambda: _fused(4),
+    "mxfp4-unpacked": lambda: _fused(4, is_vnni=False),  # packs the codes on every call
     "int8-unpacked": lambda: _fused(1, is_vnni=False),  # packs w1/w2 on every call
     "bf16-rejected": lambda: _fused(0, bad_ids=True),  # the error path
     "shared": _shared,

@@ -1,5 +1,6 @@
 """The NaN/Inf policy of docs/ERRORS.md ("NaN and Inf"), for moe_comp_method 0, 1 and 2 (and
-3 for activations, topk weights and group scales) on every tier:
+3 and 4 for activations, topk weights, group scales and MXFP4's infinite weights) on every
+tier:
 
 * NaN/Inf in a token's activations reach that token's output row only (with silu·mul the
   whole row becomes non-finite; INT8 makes it exactly NaN, see below; with the clamped
@@ -26,6 +27,7 @@ from cpumoe import reference
 from cpumoe_testing import (
     DTYPES,
     Int4Weights,
+    make_mxfp4_weights,
     make_routing,
     make_scheme_weights,
     pack,
@@ -35,7 +37,8 @@ M, E, TOPK, N, K = 30, 4, 2, 64, 96  # 30 tokens: panels hold several tokens on 
 BLOCK = (32, 32)
 SCHEMES = {0: "bf16", 1: "int8", 2: "fp8"}
 # INT4 quantizes activations like INT8; its group scales: test_int4_nonfinite_scale_stays_in_its_expert
-ACT_SCHEMES = {**SCHEMES, 3: "int4"}
+# MXFP4's infinite weights (scale 255): test_mxfp4_infinite_weight_stays_in_its_expert
+ACT_SCHEMES = {**SCHEMES, 3: "int4", 4: "mxfp4"}
 NAN, INF = float("nan"), float("inf")
 
 
@@ -48,15 +51,26 @@ def problem(method: int, dtype=torch.bfloat16) -> dict:
         tw, ti = make_routing(M, E, TOPK)
         return dict(hidden_states=x, w1=w.u1[0], w2=w.u2[0], topk_weights=tw, topk_ids=ti,
                     **w.ref_kwargs(), packed=(w.p1[0], w.p2[0], w.op_kwargs()))
+    if method == 4:
+        c1, s1, c2, s2 = make_mxfp4_weights(E, N, K)
+        tw, ti = make_routing(M, E, TOPK)
+        return dict(hidden_states=x, w1=c1, w2=c2, topk_weights=tw, topk_ids=ti,
+                    moe_comp_method=4, w1_scale=s1, w2_scale=s2, packed=mxfp4_packed(c1, s1, c2, s2))
     w1, w2, kw = make_scheme_weights(method, E, N, K, dtype, BLOCK)
     tw, ti = make_routing(M, E, TOPK)
     return dict(hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ti, **kw)
 
 
+def mxfp4_packed(c1, s1, c2, s2):
+    """what the op takes for unpacked MXFP4 codes and scales"""
+    return (pack(c1), pack(c2), dict(w1_scale=cpumoe.convert_scale_packed(s1),
+                                     w2_scale=cpumoe.convert_scale_packed(s2)))
+
+
 def run(p: dict) -> torch.Tensor:
     a = dict(p)
     w1, w2 = a.pop("w1"), a.pop("w2")
-    if "packed" in a:  # INT4: the op takes convert_weight_packed_scale_zp's tensors
+    if "packed" in a:  # INT4 and MXFP4: the op takes the packers' tensors
         w1, w2, kw = a.pop("packed")
         a = dict(a, **kw)
     else:
@@ -243,3 +257,20 @@ def test_int4_nonfinite_scale_stays_in_its_expert(isa, side):
     kw[name] = packed
     p.update({name: unpacked, "packed": (w1p, w2p, kw)})
     check(run(p), clean, ref(p), _hit_rows(p, 1), cols, exactly_nan=cols is None)
+
+
+@pytest.mark.parametrize("side", ["w1", "w2"])
+def test_mxfp4_infinite_weight_stays_in_its_expert(isa, side):
+    """MXFP4: scale 255 is 2^128, so a code of magnitude 1 or more there decodes to +-inf (the
+    e8m0 byte has no NaN here). On w1's side (expert 1, gate row 3's first group) it poisons
+    its tokens' whole rows; on w2's side (expert 1, output row 40) only column 40 of them."""
+    p = problem(4)
+    clean = run(p)
+    name, codes_name = ("w1_scale", "w1") if side == "w1" else ("w2_scale", "w2")
+    row, cols = (3, None) if side == "w1" else (40, [40])
+    scales, codes = p[name].clone(), p[codes_name].clone()
+    scales[1, row, 0] = 255
+    codes[1, row, 0] = 0x77  # codes 7 and 7: 6 * 2^128 = inf
+    p.update({name: scales, codes_name: codes})
+    p["packed"] = mxfp4_packed(p["w1"], p["w1_scale"], p["w2"], p["w2_scale"])
+    check(run(p), clean, ref(p), _hit_rows(p, 1), cols)

@@ -65,7 +65,7 @@ def _next_up(t: torch.Tensor) -> torch.Tensor:
 
 
 SCHEMES = [MoeCompMethod.UNQUANT, MoeCompMethod.INT8_W8A8, MoeCompMethod.FP8_W8A16,
-           MoeCompMethod.INT4_W4A8]
+           MoeCompMethod.INT4_W4A8, MoeCompMethod.MXFP4]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)

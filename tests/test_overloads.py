@@ -21,6 +21,7 @@ from cpumoe_testing import (
     Int4Weights,
     assert_moe_close,
     make_bias,
+    make_mxfp4_weights,
     make_routing,
     make_scheme_weights,
     pack,
@@ -39,6 +40,11 @@ def scheme_args(method, dtype=torch.bfloat16, m=M):
     if method == 3:
         w = Int4Weights(E, N, K, 32)
         return x, w.p1[0], w.p2[0], tw, ti, w.op_kwargs()
+    if method == 4:
+        c1, s1, c2, s2 = make_mxfp4_weights(E, N, K)
+        return x, pack(c1), pack(c2), tw, ti, dict(
+            moe_comp_method=4, w1_scale=cpumoe.convert_scale_packed(s1),
+            w2_scale=cpumoe.convert_scale_packed(s2))
     w1, w2, kw = make_scheme_weights(method, E, N, K, dtype)
     return x, pack(w1), pack(w2), tw, ti, kw
 
@@ -49,7 +55,7 @@ def scheme_args(method, dtype=torch.bfloat16, m=M):
 
 @pytest.mark.parametrize("variant", ["plain", "bias_swiglu"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-@pytest.mark.parametrize("method", [0, 1, 2, 3])
+@pytest.mark.parametrize("method", [0, 1, 2, 3, 4])
 def test_out_equals_default(isa, method, dt, variant):
     x, w1, w2, tw, ti, kw = scheme_args(method, DTYPES[dt])
     if variant == "bias_swiglu":
@@ -63,7 +69,7 @@ def test_out_equals_default(isa, method, dt, variant):
     assert torch.equal(x, x_before), "the out-variant modified hidden_states"
 
 
-@pytest.mark.parametrize("method", [0, 1, 2, 3])
+@pytest.mark.parametrize("method", [0, 1, 2, 3, 4])
 def test_out_is_hidden_states(isa, method):
     """out = hidden_states: the inplace call, the same bits."""
     x, w1, w2, tw, ti, kw = scheme_args(method)

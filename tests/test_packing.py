@@ -141,12 +141,17 @@ def test_noncontiguous_error():
         cpumoe.convert_weight_packed(w3)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8], ids=["uint8"])
-def test_quantized_not_implemented(dtype):
-    w = torch.zeros(2, 32, 64, dtype=dtype)
-    with pytest.raises(RuntimeError, match=r"convert_weight_packed: packing \w+ weights is not "
-                                           r"implemented"):
-        cpumoe.convert_weight_packed(w)
+def test_uint8_packs_as_mxfp4():
+    """uint8 weights, once refused as not implemented, are MXFP4 codes (two a byte): they
+    pack into the MXFP4 layout (docs/FORMATS.md). More in tests/test_mxfp4.py."""
+    from cpumoe import reference
+
+    w = torch.randint(0, 256, (2, 32, 64), dtype=torch.uint8)
+    packed = cpumoe.convert_weight_packed(w)
+    assert packed.shape == w.shape and packed.dtype == torch.uint8
+    assert torch.equal(packed, reference.pack_mxfp4(w))
+    with pytest.raises(RuntimeError, match=r"convert_weight_packed: expect weight to be "):
+        cpumoe.convert_weight_packed(torch.zeros(2, 32, 64, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("shape", [(2, 32, 64), (48, 64), (3, 80, 96)],

@@ -2,7 +2,7 @@
 
 Hypothesis draws the shape (M 0..70, K and N multiples of 32 up to 256, E 1..9,
 topk 1..min(E, 4)), the activation dtype, the weight scheme (bf16/fp16, INT8, FP8 with its
-block size, INT4 with its group size and checkpoint format), the ISA tier, the routing
+block size, INT4 with its group size and checkpoint format, MXFP4), the ISA tier, the routing
 (distinct experts, duplicates within a token, -1 slots, all tokens to one expert, a few
 experts only), bias or not, silu or clamped swiglu, packed or per-call packing, the id and
 weight dtypes; then compares with the reference under the scheme's tolerance from
@@ -31,12 +31,14 @@ from cpumoe_testing import (
     SUPPORTED_ISAS,
     TOL_FP8,
     TOL_INT8,
+    TOL_MXFP4,
     Int4Weights,
     assert_int4_close,
     assert_moe_close,
     assert_row_close,
     make_fp8_weights,
     make_int8_weights,
+    make_mxfp4_weights,
     make_weights,
     pack,
     ref_int4,
@@ -107,6 +109,17 @@ def _int4_op_args(weights: dict, is_vnni: bool) -> tuple:
     return w.p1[0], w.p2[0], dict(kw, is_vnni=True)  # int4 exists only packed
 
 
+def _make_mxfp4(E, N, K, dtype, _):
+    c1, s1, c2, s2 = make_mxfp4_weights(E, N, K)
+    return dict(w1=c1, w2=c2, w1_scale=s1, w2_scale=s2)
+
+
+def _mxfp4_op_args(weights: dict, is_vnni: bool) -> tuple:
+    """codes packed when is_vnni (else per call), scales always (convert_scale_packed)"""
+    w1, w2, scales = pack_w1_w2(weights, is_vnni)
+    return w1, w2, {k: cpumoe.convert_scale_packed(v) for k, v in scales.items()}
+
+
 SCHEMES = {
     "bf16/fp16": Scheme(0, _make_16bit, pack_w1_w2,
                         lambda out, ref, msg: assert_moe_close(out, ref, msg)),
@@ -124,6 +137,8 @@ SCHEMES = {
                    st.tuples(st.sampled_from([32, 64, 128, 256]),
                              st.sampled_from(["awq", "gptq"])),
                    lambda method, x, w, tw, ti, act: ref_int4(x, w["int4"], tw, ti, **act)),
+    "mxfp4": Scheme(4, _make_mxfp4, _mxfp4_op_args,
+                    lambda out, ref, msg: assert_row_close(out, ref, TOL_MXFP4, msg)),
 }
 
 ROUTINGS = ("distinct", "duplicates", "one_expert", "few_experts")
@@ -199,12 +214,15 @@ def _example(**over):
 
 # Explicit corners on top of the drawn examples: the largest shapes with duplicates and -1
 # slots, an FP8 block_k that divides neither K nor N, every slot of every token on one INT8
-# expert, every slot -1, an INT4 GPTQ group of 256 (more than one 128-wide k block).
+# expert, every slot -1, an INT4 GPTQ group of 256 (more than one 128-wide k block), MXFP4
+# with fp16 activations, swiglu and per-call packing on the best tier.
 @_example(scheme="fp8", params=(16, 48), K=256, N=256, dtype="fp16", swiglu=True)
 @_example(scheme="int8", routing="one_expert", drop=0.0, swiglu=True, is_vnni=False,
           tier=SUPPORTED_ISAS[-1], K=256, N=32)
 @_example(M=5, drop=1.0, bias=False, tier=SUPPORTED_ISAS[-1])
 @_example(scheme="int4", params=(256, "gptq"), K=256, N=128, routing="distinct", swiglu=True)
+@_example(scheme="mxfp4", K=288, N=96, dtype="fp16", swiglu=True, is_vnni=False,
+          tier=SUPPORTED_ISAS[-1])
 @settings(max_examples=120, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(problems())

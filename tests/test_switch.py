@@ -32,7 +32,8 @@ for _name in {hide!r}:
     sys.modules[_name] = None  # as if not installed
 import torch
 import cpumoe
-from cpumoe_testing import Int4Weights, make_bias, make_routing, make_scheme_weights, pack
+from cpumoe_testing import (Int4Weights, make_bias, make_mxfp4_weights, make_routing,
+                            make_scheme_weights, pack)
 
 def same(a, b):
     if isinstance(a, (tuple, list)):
@@ -106,12 +107,17 @@ def test_sglang_fused_experts_every_scheme():
         import cpumoe.sglang
         sg, cm = torch.ops.sgl_kernel.fused_experts_cpu, torch.ops.cpumoe.fused_experts_cpu
         E, N, K, M, TOPK = 8, 32, 64, 37, 2
-        for method in (0, 1, 2, 3):
+        for method in (0, 1, 2, 3, 4):
             for variant in ("plain", "bias_swiglu"):
                 if method == 3:
                     w = Int4Weights(E, N, K, 32)
                     w1, w2 = w.p1[0], w.p2[0]
                     s1, s2, z1, z2, block = w.p1[2], w.p2[2], w.p1[1], w.p2[1], None
+                elif method == 4:
+                    c1, e1, c2, e2 = make_mxfp4_weights(E, N, K)
+                    w1, w2 = pack(c1), pack(c2)
+                    s1, s2 = cpumoe.convert_scale_packed(e1), cpumoe.convert_scale_packed(e2)
+                    z1 = z2 = block = None
                 else:
                     u1, u2, kw = make_scheme_weights(method, E, N, K)
                     w1, w2 = pack(u1), pack(u2)
@@ -208,6 +214,16 @@ def test_sglang_shared_expert_both_forms():
                        "available in this build of cpumoe" in str(e), str(e)
             else:
                 raise AssertionError("use_mxfp4=True was accepted without an MXFP4 scheme")
+        else:  # DeepSeek-V4's MXFP4 shared expert: uint8 codes and packed e8m0 scales
+            (c1, e1), (c2, e2) = (cpumoe.quant.quantize_mxfp4(f) for f in (f1, f2))
+            c1, c2 = pack(c1), pack(c2)
+            e1, e2 = cpumoe.convert_scale_packed(e1), cpumoe.convert_scale_packed(e2)
+            for alpha, limit in ((None, None), (1.702, 7.0)):
+                got = sg(x, c1, c2, fused, 2.5, False, False, False, True, e1, e2, None, alpha,
+                         limit, True)
+                want = cm.mxfp4(x, c1, c2, fused, 2.5, False, False, False, True, e1, e2, None,
+                                alpha, limit, True)
+                assert same(got, want), ("mxfp4", alpha)
     """)
 
 
@@ -458,11 +474,16 @@ def test_vllm_fused_experts_every_scheme():
     run_child(prefix=VLLM_CALL, body="""
         import cpumoe.vllm
         E, N, K, M, TOPK = 8, 32, 64, 29, 3
-        for method in (0, 1, 2, 3):
+        for method in (0, 1, 2, 3, 4):
             if method == 3:
                 w = Int4Weights(E, N, K, 32)
                 w1, w2 = w.p1[0], w.p2[0]
                 kw = w.op_kwargs()
+            elif method == 4:
+                c1, e1, c2, e2 = make_mxfp4_weights(E, N, K)
+                w1, w2 = pack(c1), pack(c2)
+                kw = dict(moe_comp_method=4, w1_scale=cpumoe.convert_scale_packed(e1),
+                          w2_scale=cpumoe.convert_scale_packed(e2))
             else:
                 u1, u2, kw = make_scheme_weights(method, E, N, K)
                 w1, w2 = pack(u1), pack(u2)

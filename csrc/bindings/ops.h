@@ -76,6 +76,8 @@ at::Tensor shared_expert_cpu_mxfp4(const at::Tensor &hidden_states, const at::Te
 
 at::Tensor convert_weight_packed(const at::Tensor &weight);
 
+at::Tensor convert_scale_packed(const at::Tensor &scale);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
     const at::Tensor &qweight, const at::Tensor &qzeros, const at::Tensor &scales,
     int64_t quant_method_4bit);

@@ -25,14 +25,13 @@ at::Tensor convert_weight_packed(const at::Tensor &weight) {
     // SGLang's small-OC case: fp32 [IC, OC] for its FMA linear path.
     return weight.to(at::kFloat).t().contiguous();
   }
-  TORCH_CHECK(scheme->pack != nullptr, op, ": packing ", dtype_name(dtype),
-              " weights is not implemented in this version of cpumoe; bfloat16, float16, int8 and "
-              "float8_e4m3fn are");
   const int64_t row_multiple = scheme->pack_row_multiple;
   TORCH_CHECK(weight.size(-2) % row_multiple == 0, op, ": invalid weight out features ",
               weight.size(-2), " (must be a multiple of ", row_multiple, " for ", dtype_name(dtype),
               ")");
-  TORCH_CHECK(weight.size(-1) % 32 == 0, op, ": invalid weight input features ", weight.size(-1),
+  // uint8 (mxfp4) holds two input features a byte
+  const int64_t in_features = weight.size(-1) * scheme->weights_per_element;
+  TORCH_CHECK(in_features % 32 == 0, op, ": invalid weight input features ", in_features,
               " (must be a multiple of 32)");
   if (weight.numel() == 0) {
     std::vector<int64_t> shape(weight.sizes().begin(), weight.sizes().end());
@@ -40,6 +39,28 @@ at::Tensor convert_weight_packed(const at::Tensor &weight) {
     return at::empty(shape, weight.options());
   }
   return scheme->pack(weight, op);
+}
+
+// MXFP4 e8m0 scales [E, OC, G] or [OC, G] -> the same shape in blocks of 32 rows, each
+// [G][32] (cpumoe_pack_e8m0_scales).
+at::Tensor convert_scale_packed(const at::Tensor &scale) {
+  const char *op = "convert_scale_packed";
+  check_cpu_tensor(scale, "scale", op);
+  TORCH_CHECK(scale.dim() == 2 || scale.dim() == 3, op, ": expect scale to be 2d or 3d, got ",
+              scale.dim(), "d tensor.");
+  TORCH_CHECK(scale.scalar_type() == at::kByte, op,
+              ": expect scale to be uint8 (e8m0 exponents), got ", dtype_name(scale.scalar_type()));
+  TORCH_CHECK(scale.is_contiguous(), op, ": scale must be contiguous");
+  const int64_t rows = scale.size(-2), groups = scale.size(-1);
+  TORCH_CHECK(rows % 32 == 0, op, ": scale has ", rows,
+              " rows (the weight's out features), which must be a multiple of 32");
+  at::Tensor packed = at::empty(scale.sizes(), scale.options());
+  if (scale.numel() == 0) return packed;
+  const cpumoe_runner runner = aten_runner();
+  check_status(cpumoe_pack_e8m0_scales(scale.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(),
+                                       scale.dim() == 3 ? scale.size(0) : 1, rows, groups, &runner),
+               op);
+  return packed;
 }
 
 // AWQ (0) or GPTQ (1) int4 checkpoint tensors -> (packed weight, zero points, scales).

@@ -38,6 +38,7 @@ TORCH_LIBRARY(cpumoe, m) {
       "use_fp8_w8a16, bool use_mxfp4, Tensor? w1_scale, Tensor? w2_scale, int[]? block_size, "
       "float? alpha, float? limit, bool is_vnni) -> Tensor");
   m.def("convert_weight_packed(Tensor weight) -> Tensor");
+  m.def("convert_scale_packed(Tensor scale) -> Tensor");
   m.def(
       "convert_weight_packed_scale_zp(Tensor weight, Tensor qzeros, Tensor scales, int "
       "quant_method_4bit) -> (Tensor, Tensor, Tensor)");
@@ -83,6 +84,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
   m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);
+  m.impl("convert_scale_packed", &ops::convert_scale_packed);
   m.impl("convert_weight_packed_scale_zp", &ops::convert_weight_packed_scale_zp);
   m.impl("weight_packed_linear", &ops::weight_packed_linear);
   m.impl("int8_scaled_mm_with_quant", &ops::int8_scaled_mm_with_quant);

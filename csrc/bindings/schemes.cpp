@@ -77,12 +77,25 @@ at::Tensor pack_vnni4_int8(const at::Tensor &weight, const char *op) {
   return packed;
 }
 
-// Checks w1 or w2 against the scheme's dtype and its logical shape (packed: [..., OC,
-// IC + packed_extra_cols]); packs an unpacked weight (is_vnni=False) on the way.
+// mxfp4: uint8 [..., OC, IC/2] codes, blocks of 32 rows (cpumoe_pack_mxfp4), same shape.
+at::Tensor pack_mxfp4(const at::Tensor &weight, const char *op) {
+  const PackedMatrices m = packed_matrices(weight);
+  const cpumoe_runner runner = aten_runner();
+  at::Tensor packed = new_packed_weight(weight.sizes(), weight.options());
+  check_status(cpumoe_pack_mxfp4(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), m.experts,
+                                 m.rows, m.cols, &runner),
+               op);
+  return packed;
+}
+
+// Checks w1 or w2 against the scheme's dtype and its logical shape [..., OC, IC] (the tensor:
+// [..., OC, IC / weights_per_element], packed: + packed_extra_cols); packs an unpacked weight
+// (is_vnni=False) on the way.
 at::Tensor prepare_weight(const SchemeTraits &scheme, const WeightOperands &operands,
                           const at::Tensor &weight, const char *name, std::vector<int64_t> shape) {
   const char *op = operands.op;
   check_cpu_tensor(weight, name, op);
+  shape.back() /= scheme.weights_per_element;
   if (operands.is_vnni) shape.back() += scheme.packed_extra_cols;
   const c10::IntArrayRef expected(shape);
   TORCH_CHECK(weight.dim() == static_cast<int64_t>(shape.size()), op, ": ", name, " must be a ",
@@ -217,6 +230,38 @@ void describe_block_scales(const SchemeTraits &scheme, const WeightOperands &ope
                                  blocks(2 * problem.N, problem.K));
   problem.w2_scale =
       block_scale(scheme, operands.w2_scale, "w2_scale", operands.op, blocks(problem.K, problem.N));
+}
+
+// MXFP4: one e8m0 exponent byte per output channel and 32 input features, uint8
+// `shape` = [lead..., OC, IC / 32], in convert_scale_packed's order (the order is not
+// checkable: SGLang's kernels read it the same way whatever is_vnni says of the weights).
+const uint8_t *e8m0_scale(const SchemeTraits &scheme, const std::optional<at::Tensor> &scale,
+                          const char *name, const char *op, const std::vector<int64_t> &shape) {
+  const c10::IntArrayRef expected(shape);
+  TORCH_CHECK(scale.has_value(), op, ": missing ", name, " for ", scheme.name,
+              " (uint8 e8m0 scales of shape ", expected, ", packed by convert_scale_packed)");
+  check_cpu_tensor(*scale, name, op);
+  TORCH_CHECK(scale->scalar_type() == at::kByte, op, ": ", name,
+              " must be uint8 (e8m0 exponents) for ", scheme.name, ", got ",
+              dtype_name(scale->scalar_type()));
+  TORCH_CHECK(scale->sizes() == expected, op, ": ", name, " must have shape ", expected,
+              " (out_features, in_features / 32), got ", scale->sizes());
+  TORCH_CHECK(scale->is_contiguous(), op, ": ", name, " must be contiguous");
+  return scale->data_ptr<uint8_t>();
+}
+
+void describe_e8m0_scales(const SchemeTraits &scheme, const WeightOperands &operands,
+                          const std::vector<int64_t> &lead, cpumoe_moe_problem &problem) {
+  auto groups = [&](int64_t rows, int64_t cols) {
+    std::vector<int64_t> shape = lead;
+    shape.push_back(rows);
+    shape.push_back(cols / 32);
+    return shape;
+  };
+  problem.w1_scale_e8m0 = e8m0_scale(scheme, operands.w1_scale, "w1_scale", operands.op,
+                                     groups(2 * problem.N, problem.K));
+  problem.w2_scale_e8m0 =
+      e8m0_scale(scheme, operands.w2_scale, "w2_scale", operands.op, groups(problem.K, problem.N));
 }
 
 // ---- INT4 W4A8 ------------------------------------------------------------------------
@@ -377,7 +422,7 @@ constexpr SchemeTraits kSchemes[] = {
         .scheme = CPUMOE_SCHEME_INT4_W4A8,
         .name = "int4 w4a8",
         .label = "moe_comp_method 3 (int4 w4a8)",
-        // uint8 is also SGLang's mxfp4 dtype: convert_weight_packed accepts it, packs neither
+        // uint8 is also mxfp4's dtype: convert_weight_packed packs uint8 weights as mxfp4
         .weight_dtypes = {at::kByte, at::ScalarType::Undefined},
         .weights_match_activations = false,
         .scales = ScaleKind::kGroupWithZeros,
@@ -393,6 +438,26 @@ constexpr SchemeTraits kSchemes[] = {
         .pack = nullptr,
         .describe_dense_scales = nullptr,
         .describe_experts = describe_int4_experts,
+    },
+    {
+        .scheme = CPUMOE_SCHEME_MXFP4,
+        .name = "mxfp4",
+        .label = "moe_comp_method 4 (mxfp4)",
+        .weight_dtypes = {at::kByte, at::ScalarType::Undefined},
+        .weights_match_activations = false,
+        .scales = ScaleKind::kE8M0Group,
+        .takes_block_size = false,
+        .shared_expert = {.supported = true,
+                          .use_int8_w8a8 = false,
+                          .use_fp8_w8a16 = false,
+                          .use_mxfp4 = true,
+                          .label = "use_mxfp4=True (mxfp4)"},
+        .packed_extra_cols = 0,
+        .pack_row_multiple = 32,  // SGLang's packer reads past a 16-row block's data
+        .pack = pack_mxfp4,
+        .describe_dense_scales = describe_e8m0_scales,
+        .describe_experts = describe_dense_experts,
+        .weights_per_element = 2,
     },
 };
 constexpr size_t kSchemeCount = std::size(kSchemes);
@@ -474,9 +539,10 @@ const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8
 }
 
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype) {
-  const auto row =
-      std::find_if(std::begin(kSchemes), std::end(kSchemes),
-                   [&](const SchemeTraits &s) { return s.accepts_weight_dtype(dtype); });
+  // uint8 is both INT4's dtype and MXFP4's; only MXFP4 has a dense layout to pack into
+  const auto row = std::find_if(
+      std::begin(kSchemes), std::end(kSchemes),
+      [&](const SchemeTraits &s) { return s.pack != nullptr && s.accepts_weight_dtype(dtype); });
   return row == std::end(kSchemes) ? nullptr : &*row;
 }
 

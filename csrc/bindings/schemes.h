@@ -23,6 +23,7 @@ enum class ScaleKind {
   kBlock2D,         // fp32 [..., ceil(OC / block_n), ceil(IC / block_k)], with block_size;
                     // without it, one scale per matrix (per-tensor: [...])
   kGroupWithZeros,  // fp32 scales and int8 zero points (w*_zero) per group of input features
+  kE8M0Group,       // uint8 e8m0 exponents [..., OC, IC/32], packed by convert_scale_packed
 };
 
 // The weight arguments of one op call as the op received them. shared_expert_cpu has no
@@ -66,7 +67,7 @@ struct SharedExpertFlags {
   bool supported;  // false: no flag combination selects the scheme
   bool use_int8_w8a8;
   bool use_fp8_w8a16;
-  bool use_mxfp4;
+  bool use_mxfp4;     // the flag of SGLang's newer shared_expert_cpu overload
   const char *label;  // how shared_expert_cpu's messages name the scheme
 };
 
@@ -89,6 +90,9 @@ struct SchemeTraits {
   DescribeScalesFn describe_dense_scales;
   // fused_experts_cpu's step for w1/w2 and their scales and zero points
   DescribeExpertsFn describe_experts;
+  // Weights per element of the dense weight tensor: 2 for MXFP4, whose uint8 [..., OC, IC/2]
+  // holds two 4-bit codes a byte; 1 for the others.
+  int64_t weights_per_element = 1;
 
   bool takes_scales() const { return scales != ScaleKind::kNone; }
   bool takes_zero_points() const { return scales == ScaleKind::kGroupWithZeros; }
@@ -99,12 +103,13 @@ struct SchemeTraits {
 // The row of `moe_comp_method`; the one place an unknown method is rejected.
 const SchemeTraits &scheme_for_method(int64_t moe_comp_method, const char *op);
 
-// The row shared_expert_cpu's flags select; more than one flag set, or a flag whose scheme
-// this build lacks (use_mxfp4 until an MXFP4 row exists), is a RuntimeError of `op`.
+// The row shared_expert_cpu's flags select; more than one flag set, or a flag no row has
+// (kSchemes lists a row per flag, so only a build without that scheme), is a RuntimeError
+// of `op`.
 const SchemeTraits &scheme_for_shared_expert(bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
                                              const char *op);
 
-// The row whose weights have `dtype`, or nullptr.
+// The row whose dense weights (packed by convert_weight_packed) have `dtype`, or nullptr.
 const SchemeTraits *scheme_for_weight_dtype(at::ScalarType dtype);
 
 // Checks the scale arguments against the scheme before any shape is known: scales None for

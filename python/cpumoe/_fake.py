@@ -84,6 +84,11 @@ def _convert_weight_packed_fake(weight):
     return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("cpumoe::convert_scale_packed")
+def _convert_scale_packed_fake(scale):
+    return torch.empty_like(scale, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("cpumoe::convert_weight_packed_scale_zp")
 def _convert_weight_packed_scale_zp_fake(weight, qzeros, scales, quant_method_4bit):
     *lead, rows, cols = weight.shape

@@ -15,6 +15,7 @@ class MoeCompMethod(enum.IntEnum):
     INT8_W8A8 = 1
     FP8_W8A16 = 2
     INT4_W4A8 = 3
+    MXFP4 = 4  # gpt-oss: e2m1 weights, an e8m0 scale per 32 input features
 
 
 def _tracing() -> bool:
@@ -35,8 +36,23 @@ def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     bf16/fp16: same shape and dtype, rows in blocks of 32, each ``[IC/2][32][2]``.
     Requires ``OC % 16 == 0`` and ``IC % 32 == 0``. A 2-D weight with ``OC < 16``
     returns ``weight.float().t().contiguous()`` as SGLang does.
+
+    uint8 weights are MXFP4 codes ``[..., OC, IC/2]`` (two e2m1 codes a byte, the even
+    input feature in the low nibble): same shape, rows in blocks of 32, each
+    ``[IC/2][32]`` bytes with rows ``r`` and ``16 + r`` sharing a byte
+    (docs/FORMATS.md). Requires ``OC % 32 == 0`` and ``IC % 32 == 0``. Their scales go
+    through :func:`convert_scale_packed`.
     """
     return torch.ops.cpumoe.convert_weight_packed(weight)
+
+
+def convert_scale_packed(scale: torch.Tensor) -> torch.Tensor:
+    """Packs MXFP4 e8m0 scales ``uint8 [..., OC, IC/32]`` (one exponent byte per output
+    channel and 32 input features, as a checkpoint stores them) for ``moe_comp_method=4``;
+    byte-identical to SGLang's ``convert_scale_packed``. Same shape and dtype, the rows in
+    blocks of 32 stored ``[IC/32][32]`` (docs/FORMATS.md). Requires ``OC % 32 == 0``.
+    """
+    return torch.ops.cpumoe.convert_scale_packed(scale)
 
 
 def convert_weight_packed_scale_zp(qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -96,7 +112,9 @@ def fused_experts(
         moe_comp_method: weight scheme, see :class:`MoeCompMethod`.
         w1_scale, w2_scale: INT8: fp32 per output channel; FP8: fp32 block scales with
             ``block_size``, or per-tensor scales ``[E]`` with ``block_size=None``; INT4:
-            from :func:`convert_weight_packed_scale_zp`.
+            from :func:`convert_weight_packed_scale_zp`; MXFP4: uint8 e8m0 ``[E, 2N, K/32]``
+            / ``[E, K, N/32]`` from :func:`convert_scale_packed` (w1/w2 are then uint8 codes
+            ``[E, 2N, K/2]`` / ``[E, K, N/2]``).
         w1_zero, w2_zero: INT4 only: the zero points from
             :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
@@ -105,7 +123,9 @@ def fused_experts(
             (None means this) or ``"gelu"`` (the erf form, ``x * Phi(x)``); any other name
             is a RuntimeError.
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
-            False packs them on every call (slow, for convenience).
+            False packs them on every call (slow, for convenience). It concerns the
+            weights only: MXFP4 scales always come from :func:`convert_scale_packed`,
+            as in SGLang.
 
     Returns:
         ``[M, K]`` in the dtype of ``hidden_states``. Accumulation is float32 with
@@ -196,7 +216,8 @@ def shared_expert(
         use_int8_w8a8, use_fp8_w8a16, use_mxfp4: the weight scheme (at most one), with
             ``w1_scale`` and ``w2_scale``: INT8 per output channel; FP8 block scales with
             ``block_size``, or one scale per matrix (shape ``[]``) with ``block_size=None``;
-            MXFP4 needs a build with that scheme.
+            MXFP4: uint8 codes ``w1 [2N, K/2]``, ``w2 [K, N/2]`` and e8m0 scales
+            ``[2N, K/32]``, ``[K, N/32]`` from :func:`convert_scale_packed`.
         alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither; ``w1`` rows then
             interleave gate and up), as in :func:`fused_experts`.
     """

@@ -109,3 +109,51 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128, fmt: str = "awq",
         qweight = _pack_nibbles(q_kn, -2)
         qzeros = _pack_nibbles(zeros_gn - 1, -1)
     return qweight.contiguous(), qzeros.contiguous(), scales
+
+
+MXFP4_GROUP = 32  # input features per e8m0 scale
+E2M1_MAX = 6.0
+# The e2m1 magnitudes of codes 0..7 and the midpoints between neighbours
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def quantize_mxfp4(weight: torch.Tensor):
+    """MXFP4 quantization (OCP MX fp4, gpt-oss's expert weights) for ``moe_comp_method=4``.
+
+    ``weight [..., OC, IC]`` (finite floats, ``IC % 32 == 0``) is cut into groups of 32
+    consecutive input features per output channel. Each group gets the e8m0 scale
+    ``s = 127 + ceil(log2(amax / 6))`` (clamped to 0..254; an all-zero group gets 0), the
+    choice of SGLang's test utility and NVIDIA modelopt's MXFP4 quantizer: the smallest
+    power of two that brings the group's largest magnitude to at most 6, e2m1's largest.
+    Each weight becomes the e2m1 code nearest to ``w / 2^(s - 127)`` (magnitudes 0, 0.5,
+    1, 1.5, 2, 3, 4, 6; ties to the code with mantissa bit 0, as IEEE rounding does; bit 3
+    the sign; magnitude 0 is code 0), so ``e2m1(code) * 2^(s - 127) ~= w``.
+    (modelopt rounds ties toward zero and gives exact zeros code 8, -0; both decode alike.)
+
+    Returns ``(codes uint8 [..., OC, IC/2], scales uint8 [..., OC, IC/32])`` as a checkpoint
+    stores them: the code of input feature 2i in the low nibble of byte i, 2i + 1 in the
+    high nibble. Pack them with :func:`cpumoe.convert_weight_packed` and
+    :func:`cpumoe.convert_scale_packed`; :func:`cpumoe.reference.dequantize_mxfp4` decodes
+    them.
+    """
+    w = weight.float()
+    *lead, oc, ic = w.shape
+    if ic % MXFP4_GROUP:
+        raise ValueError(f"weight [..., {oc}, {ic}]: IC must be a multiple of {MXFP4_GROUP}")
+    if not torch.isfinite(w).all():
+        raise ValueError("quantize_mxfp4: weight holds inf or NaN")
+    groups = w.reshape(*lead, oc, ic // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    exponent = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)  # log2(0) = -inf
+    y = groups / torch.exp2(exponent)  # exact: a power of two, |y| <= 6
+    mag = y.abs()
+    midpoints = torch.tensor(_E2M1_MIDPOINTS)
+    index = (mag.unsqueeze(-1) > midpoints).sum(-1)  # ties counted down ...
+    tie = mag == midpoints[index.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
+    index = index + (tie & (index % 2 == 1)).long()  # ... and moved to the even code
+    codes = torch.where(index == 0, index, index | ((y < 0).long() << 3)).to(torch.uint8)
+    codes = codes.reshape(*lead, oc, ic)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return packed.contiguous(), scales.contiguous()

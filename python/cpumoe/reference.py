@@ -165,6 +165,51 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block_n: int,
     return w.float() * s
 
 
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+               -6.0)  # codes 0..15; both zero codes are +0, as the kernels decode them
+
+
+def mxfp4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., IC/2]`` (two e2m1 codes a byte) -> int64 ``[..., IC]`` codes 0..15: input
+    feature 2i is the low nibble of byte i, 2i + 1 the high nibble."""
+    b = codes.to(torch.int64)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weights as they are meant: uint8 codes ``[..., OC, IC/2]`` and e8m0 scales
+    ``uint8 [..., OC, IC/32]`` (unpacked, as :func:`cpumoe.quant.quantize_mxfp4` returns
+    them) -> fp32 ``[..., OC, IC]``, each weight ``e2m1(code) * 2^(scale - 127)``, computed
+    exactly (float64) and then rounded to fp32: exact wherever the value is below 2^128
+    (every such value is a bf16 number too, scales 0 and 1 giving denormals), +-inf beyond;
+    both zero codes give +0 and any scale, 255 included, is a power of two (docs/MATH.md)."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float64)[mxfp4_codes(codes)]
+    scale = torch.exp2(scales.to(torch.float64) - 127).repeat_interleave(32, dim=-1)
+    return (values * scale).float()
+
+
+def pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
+    """Reference of `convert_weight_packed` for MXFP4 codes uint8 ``[..., OC, IC/2]``: blocks
+    of 32 rows, each ``[IC/2][32]`` bytes; byte j of block column c holds in its low nibble
+    the nibble j % 2 of row j // 2's byte c, in its high nibble that of row 16 + j // 2
+    (docs/FORMATS.md)."""
+    *lead, oc, cols = codes.shape
+    b = codes.reshape(-1, oc // 32, 32, cols).to(torch.int64)  # [B, blocks, 32 rows, cols]
+    nibbles = torch.stack([b & 15, b >> 4], dim=-1)  # [B, blocks, 32, cols, 2]
+    low = nibbles[:, :, :16].permute(0, 1, 3, 2, 4)  # [B, blocks, cols, 16 rows, 2]
+    high = nibbles[:, :, 16:].permute(0, 1, 3, 2, 4)
+    out = low.reshape(*low.shape[:3], 32) | (high.reshape(*high.shape[:3], 32) << 4)
+    return out.to(torch.uint8).reshape(*lead, oc, cols)
+
+
+def pack_e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Reference of `convert_scale_packed`: ``[..., OC, G]`` -> the same shape, blocks of 32
+    rows stored ``[G][32]``: packed[b][g][n] = scales[32 b + n][g]."""
+    *lead, oc, groups = scales.shape
+    s = scales.reshape(-1, oc // 32, 32, groups).transpose(-1, -2)
+    return s.contiguous().reshape(*lead, oc, groups)
+
+
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor,
                    block_size: Optional[list]) -> torch.Tensor:
     """:func:`dequantize_fp8_blocks` with ``block_size = [block_n, block_k]``; with None,
@@ -310,9 +355,16 @@ def _expert_int4(x, e, w, b1, b2, act):
                            w["w2_zero"][e], w["w2_scale"][e], b1, b2, *act)
 
 
+def _expert_mxfp4(x, e, w, b1, b2, act):
+    """fp32 GEMMs on the decoded weights (decoding MXFP4 is exact)."""
+    return expert_mlp(x, dequantize_mxfp4(w["w1"][e], w["w1_scale"][e]),
+                      dequantize_mxfp4(w["w2"][e], w["w2_scale"][e]), b1, b2, *act)
+
+
 # moe_comp_method -> one expert's MLP on the rows routed to it: the only place the
 # reference tells schemes apart.
-_SCHEME_EXPERTS = {0: _expert_unquant, 1: _expert_int8, 2: _expert_fp8, 3: _expert_int4}
+_SCHEME_EXPERTS = {0: _expert_unquant, 1: _expert_int8, 2: _expert_fp8, 3: _expert_int4,
+                   4: _expert_mxfp4}
 
 
 def fused_experts(
@@ -338,8 +390,11 @@ def fused_experts(
     hidden_states [M, K] bf16/fp16; w1 [E, 2N, K]; w2 [E, K, N] (16-bit for method 0,
     int8 with per output channel scales w1_scale [E, 2N(, 1)], w2_scale [E, K(, 1)] for
     method 1; float8_e4m3fn with block scales and ``block_size=[block_n, block_k]``, or
-    per-tensor scales [E] and ``block_size=None``, for method 2; 4-bit nibbles with zero points ``w*_zero`` and scales ``w*_scale`` of shape
-    [E, OC, G], as :func:`unpack_int4_checkpoint` returns them, for method 3); topk_weights
+    per-tensor scales [E] and ``block_size=None``, for method 2; 4-bit nibbles with zero
+    points ``w*_zero`` and scales ``w*_scale`` of shape [E, OC, G], as
+    :func:`unpack_int4_checkpoint` returns them, for method 3; uint8 e2m1 codes w1 [E, 2N,
+    K/2], w2 [E, K, N/2] with unpacked e8m0 scales w1_scale [E, 2N, K/32], w2_scale [E, K,
+    N/32], as :func:`cpumoe.quant.quantize_mxfp4` returns them, for method 4); topk_weights
     and topk_ids [M, topk]; an id of -1 skips its slot. The activation: :func:`activate`.
     Returns [M, K] in the dtype of hidden_states.
     """
@@ -378,12 +433,17 @@ def shared_expert(
     block_size: Optional[list] = None,
     alpha: Optional[float] = None,
     limit: Optional[float] = None,
+    use_mxfp4: bool = False,
 ) -> torch.Tensor:
     """Reference of `shared_expert_cpu` (both overloads) with unpacked weights w1 [2N, K],
-    w2 [K, N] (16-bit, int8 with scales [2N(, 1)], [K(, 1)], or fp8 with block scales):
+    w2 [K, N] (16-bit, int8 with scales [2N(, 1)], [K(, 1)], fp8 with block scales, or MXFP4
+    codes [2N, K/2], [K, N/2] with unpacked e8m0 scales [2N, K/32], [K, N/32]):
     mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once; ``alpha``
     and ``limit`` select the clamped swiglu as in :func:`fused_experts`."""
-    if use_int8_w8a8:
+    if use_mxfp4:
+        y = expert_mlp(hidden_states, dequantize_mxfp4(w1, w1_scale),
+                       dequantize_mxfp4(w2, w2_scale), alpha=alpha, limit=limit)
+    elif use_int8_w8a8:
         y = expert_mlp_int8(hidden_states, w1, w1_scale, w2, w2_scale, alpha=alpha,
                             limit=limit)
     elif use_fp8_w8a16:

@@ -3,7 +3,8 @@
  * cpumoe/cpumoe.h through that header only (no kernel headers) and checks the
  * results against scalar re-statements written here:
  *
- *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16, INT4 W4A8
+ *   fused experts  UNQUANT (bf16 and fp16 activations), INT8 W8A8, FP8 W8A16, INT4 W4A8,
+ *                  MXFP4
  *                  against a double-precision reference (tolerance relative to the output's
  *                  scale):
  *                  bias, silu, gelu and clamped swiglu, residual, int32/int64 topk_ids with -1
@@ -71,6 +72,7 @@
 #define INT8 CPUMOE_SCHEME_INT8_W8A8
 #define FP8 CPUMOE_SCHEME_FP8_W8A16
 #define INT4 CPUMOE_SCHEME_INT4_W4A8
+#define MXFP4 CPUMOE_SCHEME_MXFP4
 
 /* ---- checks ---------------------------------------------------------------------- */
 
@@ -195,6 +197,15 @@ static double e4m3_value(uint8_t b) {
   return (b & 0x80) ? -v : v;
 }
 
+/* MXFP4: e2m1 code s.ee.m (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^(scale - 127),
+ * both zero codes +0 */
+static double mxfp4_value(unsigned code, unsigned scale) {
+  static const double magnitude[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  if ((code & 7) == 0) return 0.0;
+  const double v = ldexp(magnitude[code & 7], (int)scale - 127);
+  return (code & 8) ? -v : v;
+}
+
 /* ---- packed layouts of docs/FORMATS.md ---------------------------------------------- */
 
 /* VNNI-2 (16-bit and fp8): per expert, blocks of 32 rows (the last may be 16);
@@ -232,6 +243,37 @@ static void ref_pack_vnni4(const int8_t *src, int8_t *dst, int64_t experts, int6
         memcpy(out + 32 * cols + 4 * n, &comp, 4);
       }
     }
+}
+
+/* MXFP4 codes: per expert, w [rows][cols] one code (0..15) per element; blocks of 32 rows,
+ * block b at byte (32b) * cols/2 stored [cols/2][32]: byte c*32 + j holds w[32b + j/2][2c + j%2]
+ * in its low nibble and w[32b + 16 + j/2][2c + j%2] in its high nibble. */
+static void ref_pack_mxfp4(const uint8_t *w, uint8_t *dst, int64_t experts, int64_t rows,
+                           int64_t cols) {
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t b = 0; b < rows / 32; b++) {
+      const uint8_t *wb = w + (e * rows + 32 * b) * cols;
+      uint8_t *out = dst + (e * rows + 32 * b) * (cols / 2);
+      for (int64_t c = 0; c < cols / 2; c++)
+        for (int j = 0; j < 32; j++)
+          out[c * 32 + j] = (uint8_t)(wb[(j / 2) * cols + 2 * c + j % 2] |
+                                      wb[(16 + j / 2) * cols + 2 * c + j % 2] << 4);
+    }
+}
+
+/* MXFP4 checkpoint bytes: element 2i of a row in the low nibble of byte i, 2i + 1 in the high */
+static void mxfp4_checkpoint(const uint8_t *w, uint8_t *bytes, int64_t n) {
+  for (int64_t i = 0; i < n / 2; i++) bytes[i] = (uint8_t)(w[2 * i] | w[2 * i + 1] << 4);
+}
+
+/* e8m0 scales [rows][groups] -> blocks of 32 rows [groups][32] */
+static void ref_pack_e8m0(const uint8_t *s, uint8_t *dst, int64_t experts, int64_t rows,
+                          int64_t groups) {
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t b = 0; b < rows / 32; b++)
+      for (int64_t g = 0; g < groups; g++)
+        for (int64_t n = 0; n < 32; n++)
+          dst[(e * rows + 32 * b) * groups + g * 32 + n] = s[(e * rows + 32 * b + n) * groups + g];
 }
 
 /* INT4: per expert and 32 output columns (tile t), per block of bk = min(group, 128) k:
@@ -355,6 +397,14 @@ static cpumoe_status pack_vnni4_int8(const void *src, void *dst, int64_t experts
                                      int64_t cols, const cpumoe_runner *runner) {
   return cpumoe_pack_vnni4_int8(src, dst, experts, rows, cols, runner);
 }
+static cpumoe_status pack_mxfp4(const void *src, void *dst, int64_t experts, int64_t rows,
+                                int64_t cols, const cpumoe_runner *runner) {
+  return cpumoe_pack_mxfp4(src, dst, experts, rows, cols, runner);
+}
+static cpumoe_status pack_e8m0(const void *src, void *dst, int64_t experts, int64_t rows,
+                               int64_t cols, const cpumoe_runner *runner) {
+  return cpumoe_pack_e8m0_scales(src, dst, experts, rows, cols, runner);
+}
 
 /* The packer's `bytes` of output equal `want`, serially and with threads. */
 static void check_packer(const char *name, packer_fn pack, const void *src, const void *want,
@@ -395,6 +445,22 @@ static void test_packers(void) {
     ref_pack_vnni4(src, want, E, R, C);
     check_packer("pack_vnni4_int8", pack_vnni4_int8, src, want, packed, E, R, C);
     free(src), free(want);
+  }
+
+  /* mxfp4: codes (cols = bytes per row, two codes each) and e8m0 scales (cols = groups) */
+  static const int64_t shapes_mx[][3] = {{1, 32, 16}, {2, 64, 48}, {3, 96, 80}, {1, 32, 1440}};
+  for (size_t s = 0; s < sizeof shapes_mx / sizeof shapes_mx[0]; s++) {
+    const int64_t E = shapes_mx[s][0], R = shapes_mx[s][1], C = shapes_mx[s][2];
+    const size_t n = (size_t)(E * R * C);
+    uint8_t *codes = xmalloc(2 * n), *src = xmalloc(n), *want = xmalloc(n);
+    for (size_t i = 0; i < 2 * n; i++) codes[i] = (uint8_t)rnd_below(16);
+    mxfp4_checkpoint(codes, src, 2 * (int64_t)n);
+    ref_pack_mxfp4(codes, want, E, R, 2 * C);
+    check_packer("pack_mxfp4", pack_mxfp4, src, want, n, E, R, C);
+    for (size_t i = 0; i < n; i++) src[i] = (uint8_t)rnd_u64();
+    ref_pack_e8m0(src, want, E, R, C);
+    check_packer("pack_e8m0_scales", pack_e8m0, src, want, n, E, R, C);
+    free(codes), free(src), free(want);
   }
 
   /* no experts: nothing to do, nothing written */
@@ -508,6 +574,13 @@ static void test_packer_errors(void) {
       {"vnni4 cols=65568", pack_vnni4_int8, 1, 32, 65568, 0, 0, CPUMOE_EUNSUPPORTED, "65568"},
       {"vnni4 experts=-2", pack_vnni4_int8, -2, 32, 32, 0, 0, CPUMOE_EINVAL, "experts=-2"},
       {"vnni4 src NULL", pack_vnni4_int8, 1, 32, 32, 1, 0, CPUMOE_EINVAL, "NULL"},
+      {"mxfp4 rows=48", pack_mxfp4, 1, 48, 16, 0, 0, CPUMOE_EINVAL, "48"},
+      {"mxfp4 cols=24", pack_mxfp4, 1, 32, 24, 0, 0, CPUMOE_EINVAL, "48"},
+      {"mxfp4 experts=-1", pack_mxfp4, -1, 32, 16, 0, 0, CPUMOE_EINVAL, "experts=-1"},
+      {"mxfp4 dst NULL", pack_mxfp4, 1, 32, 16, 0, 1, CPUMOE_EINVAL, "NULL"},
+      {"e8m0 rows=16", pack_e8m0, 1, 16, 2, 0, 0, CPUMOE_EINVAL, "16"},
+      {"e8m0 cols=0", pack_e8m0, 1, 32, 0, 0, 0, CPUMOE_EINVAL, "cols=0"},
+      {"e8m0 src NULL", pack_e8m0, 1, 32, 2, 1, 0, CPUMOE_EINVAL, "NULL"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     CHECK_ERROR(cases[i].what,
@@ -611,6 +684,16 @@ static const moe_case g_cases[] = {
   {"int4 group 256",   INT4,    BF16,    9, 256,  64, 2, 2, I32, F16,  0.0,  256, 64, RESIDUAL},
   {"int4 gelu",       INT4,    F16,     1,  64,  64, 2, 2, I32, F32,  0.0,  32, 64, GELU},
   {"int4 2 chunks",    INT4,    BF16, 1100,  32,  32, 2, 1, I32, F32,  0.1,  32, 32,  BIAS},
+  {"mxfp4 decode",     MXFP4,   BF16,    1,  64,  96, 3, 2, I32, F32,  0.0,  0,  0,  BIAS},
+  {"mxfp4 4 rows",     MXFP4,   BF16,    2,  96,  64, 3, 2, I64, F32,  0.0,  0,  0,
+   BIAS | SWIGLU | ONE_EXPERT},
+  {"mxfp4 fp16 decode", MXFP4,  F16,     2,  64,  64, 2, 2, I32, F32,  0.0,  0,  0,  0},
+  {"mxfp4 tails",      MXFP4,   F16,    37, 160,  96, 4, 2, I64, BF16, 0.2,  0,  0,
+   BIAS | SWIGLU | RESIDUAL},
+  {"mxfp4 partial chunk", MXFP4, BF16,  40, 288,  32, 1, 1, I32, F32,  0.0,  0,  0,
+   RESIDUAL | NO_IDS | NO_WEIGHTS},
+  {"mxfp4 2 chunks",   MXFP4,   BF16, 1100,  32,  64, 2, 1, I32, F16,  0.1,  0,  0,
+   BIAS | RESIDUAL},
 };
 /* clang-format on */
 
@@ -618,13 +701,14 @@ static const moe_case g_cases[] = {
  * the op reads. */
 typedef struct matrix {
   int64_t rows, cols, group; /* group: INT4 group size */
-  double *w;                 /* dequantized values (UNQUANT, FP8) */
+  double *w;                 /* dequantized values (UNQUANT, FP8, MXFP4) */
   int8_t *q;                 /* INT8: int8 values; INT4: nibbles 0..15 */
   int8_t *zero;              /* INT4: [E, rows, cols / group] zero points */
   float *scale;              /* INT8 [E, rows]; FP8 block scales; INT4 [E, rows, groups] */
   void *packed;
   float *packed_scale; /* what the op gets as w*_scale */
   int8_t *packed_zero; /* INT4: what the op gets as w*_zero */
+  uint8_t *e8m0;       /* MXFP4: [E, rows, cols / 32] scales, then packed: w*_scale_e8m0 */
 } matrix;
 
 typedef struct moe_data {
@@ -702,6 +786,21 @@ static void make_weights(const moe_case *c, matrix *m) {
     ref_pack_vnni2(codes, m->packed, 1, E, rows, cols);
     m->packed_scale = m->scale;
     free(codes);
+  } else if (c->scheme == MXFP4) {
+    /* scales near 2^-2 of the matrix's range (largest code 6) with a spread of 4 */
+    const int64_t groups = cols / 32, base = 127 + (int64_t)floor(log2(range)) - 3;
+    uint8_t *codes = xmalloc((size_t)n), *scales = xmalloc((size_t)(E * rows * groups));
+    m->w = xmalloc(sizeof(double) * (size_t)n);
+    for (int64_t i = 0; i < E * rows * groups; i++) scales[i] = (uint8_t)(base + rnd_below(4));
+    for (int64_t i = 0; i < n; i++) {
+      codes[i] = (uint8_t)rnd_below(16);
+      m->w[i] = mxfp4_value(codes[i], scales[i / 32]); /* (e, row, group) = i / 32 */
+    }
+    m->packed = xmalloc((size_t)n / 2);
+    ref_pack_mxfp4(codes, m->packed, E, rows, cols);
+    m->e8m0 = xmalloc((size_t)(E * rows * groups));
+    ref_pack_e8m0(scales, m->e8m0, E, rows, groups);
+    free(codes), free(scales);
   } else { /* INT4: nibbles 0..15, zero points 0..16 (AWQ and GPTQ ranges) */
     const int64_t groups = cols / m->group, bk = cpumoe_int4_block_k(m->group);
     m->q = xmalloc((size_t)n);
@@ -723,6 +822,7 @@ static void make_weights(const moe_case *c, matrix *m) {
 static void free_matrix(matrix *m) {
   if (m->packed_scale != m->scale) free(m->packed_scale);
   free(m->w), free(m->q), free(m->zero), free(m->scale), free(m->packed), free(m->packed_zero);
+  free(m->e8m0);
 }
 
 /* INT8 and INT4 activations, as documented: per row, amax = max |v| (at least 1e-7),
@@ -885,6 +985,8 @@ static void make_data(const moe_case *c, moe_data *d) {
       .w2_zero = d->w2.packed_zero,
       .w1_group = c->scheme == INT4 ? c->b1 : 0,
       .w2_group = c->scheme == INT4 ? c->b2 : 0,
+      .w1_scale_e8m0 = d->w1.e8m0,
+      .w2_scale_e8m0 = d->w2.e8m0,
       .topk_ids = d->ids,
       .topk_ids_dtype = c->ids_dtype,
       .topk_weights = d->weights,
@@ -1025,9 +1127,10 @@ static void test_fused(void) {
   for (size_t i = 0; i < sizeof g_cases / sizeof g_cases[0]; i++) test_case(&g_cases[i]);
 
   /* M = 0: nothing to do for any scheme; NULL tensors allowed, nothing written */
-  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8, INT4};
+  static const cpumoe_scheme schemes[] = {UNQUANT, INT8, FP8, INT4, MXFP4};
   float scale = 1.0f;
   int8_t zero = 0;
+  uint8_t e8m0 = 127;
   uint16_t sentinel = 0x1234;
   for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
     const cpumoe_moe_problem p = {
@@ -1046,6 +1149,8 @@ static void test_fused(void) {
         .w2_zero = &zero,
         .w1_group = 32,
         .w2_group = 32,
+        .w1_scale_e8m0 = &e8m0,
+        .w2_scale_e8m0 = &e8m0,
         .out = &sentinel,
     };
     const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
@@ -1127,6 +1232,11 @@ static void test_fused_errors(void) {
          (p.scheme = INT4, p.w1_scale = p.w2_scale = &scale, p.w1_zero = p.w2_zero = &zero,
           p.w1_group = 64, p.w2_group = 32),
          CPUMOE_EUNSUPPORTED, "K=32");
+  uint8_t e8m0 = 127;
+  REJECT("mxfp4 no w1 scales", (p.scheme = MXFP4, p.w2_scale_e8m0 = &e8m0), CPUMOE_EINVAL,
+         "w1_scale_e8m0");
+  REJECT("mxfp4 no w2 scales", (p.scheme = MXFP4, p.w1_scale_e8m0 = &e8m0), CPUMOE_EINVAL,
+         "w2_scale_e8m0");
 #undef REJECT
 
   /* ids out of range: found before any kernel runs, so out keeps its contents */

@@ -53,6 +53,7 @@ typedef enum cpumoe_scheme {
   CPUMOE_SCHEME_INT8_W8A8 = 1,
   CPUMOE_SCHEME_FP8_W8A16 = 2,
   CPUMOE_SCHEME_INT4_W4A8 = 3,
+  CPUMOE_SCHEME_MXFP4 = 4, /* OCP MX fp4 (gpt-oss): e2m1 weights, an e8m0 scale per 32 k */
 } cpumoe_scheme;
 
 typedef enum cpumoe_activation {
@@ -128,6 +129,14 @@ typedef struct cpumoe_moe_problem {
   const int8_t *w1_zero;
   const int8_t *w2_zero;
   int64_t w1_group, w2_group;
+
+  /* MXFP4 (packed by cpumoe_pack_mxfp4 and cpumoe_pack_e8m0_scales; docs/FORMATS.md): w1 is
+   * [E, 2N, K/2] bytes, w2 [E, K, N/2], two e2m1 codes per byte; w1_scale_e8m0 is
+   * [E, 2N, K/32] and w2_scale_e8m0 [E, K, N/32], one e8m0 byte per output row and 32
+   * consecutive k. Real weight = e2m1(code) * 2^(scale - 127), decoded exactly to bf16
+   * (zero codes give +0, a value beyond bf16's range +-inf; docs/MATH.md). */
+  const uint8_t *w1_scale_e8m0;
+  const uint8_t *w2_scale_e8m0;
 
   /* Routing. topk_ids NULL means every slot picks expert 0 (a dense MLP);
    * topk_weights NULL means every weight is 1. */
@@ -300,6 +309,18 @@ cpumoe_status cpumoe_pack_int4(cpumoe_int4_format format, const int32_t *qweight
 /* k per packed INT4 block for a group size: min(group, 128); 0 if the group size is not
  * supported (see above). A packed block is 16 * bk + 128 bytes. */
 int64_t cpumoe_int4_block_k(int64_t group);
+
+/* MXFP4 weights (SGLang's convert_weight_packed on uint8): per expert, [rows][col_bytes]
+ * bytes, each holding two e2m1 codes (low nibble: the even k) -> the same number of bytes,
+ * blocks of 32 rows, each [col_bytes][32]: byte j of block column c has in its low nibble
+ * row j/2, k = 2c + j%2, and in its high nibble row 16 + j/2, same k (docs/FORMATS.md).
+ * Requirements: rows % 32 == 0, col_bytes % 16 == 0 (input features a multiple of 32). */
+cpumoe_status cpumoe_pack_mxfp4(const uint8_t *src, uint8_t *dst, int64_t experts, int64_t rows,
+                                int64_t col_bytes, const cpumoe_runner *runner);
+/* MXFP4 e8m0 scales (SGLang's convert_scale_packed): per expert [rows][groups] ->
+ * [rows/32][groups][32], i.e. dst[b][g][n] = src[32b + n][g]. Requirement: rows % 32 == 0. */
+cpumoe_status cpumoe_pack_e8m0_scales(const uint8_t *src, uint8_t *dst, int64_t experts,
+                                      int64_t rows, int64_t groups, const cpumoe_runner *runner);
 
 /* ---- ISA ------------------------------------------------------------------------*/
 cpumoe_isa cpumoe_active_isa(void);          /* tier the ops use */

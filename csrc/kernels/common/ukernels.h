@@ -165,6 +165,20 @@ typedef void (*cm_int4_unpack_fn)(const cm_int4_tile *w, size_t kb0, size_t nb, 
 typedef void (*cm_int4_dequant_fn)(size_t mr, const int32_t *acc, const uint8_t *comp,
                                    const float *scale, float *c, int accumulate);
 
+/* MXFP4: e2m1 codes of a 32-row block, 32 bytes per k pair (layout: common/mxfp4.h), with
+ * the block's e8m0 scales [groups][32]; each weight decodes exactly to bf16 (the value times
+ * 2^(scale - 127), common/mxfp4.h), and the products enter the fp32 chain of the 16-bit
+ * weights: MXFP4 computes what bf16 weights equal to the decoded ones compute.
+ * Decode path (few rows): C[r][n] (+)= sum over the call's k of A[r][k] * w[k][n], the codes
+ * decoded in registers; b and scales start at k = 0 of the call, k a multiple of 32 (whole
+ * groups); `accumulate` = 0 starts C from +0. */
+typedef void (*cm_gemm_mxfp4_fn)(size_t mr, size_t k, const void *a_panel, size_t a_stride,
+                                 const uint8_t *b, const uint8_t *scales, float *c, int accumulate);
+/* MXFP4 prefill path: dst = a chunk of k (a multiple of 32) decoded once into bf16 VNNI-2
+ * [k/2][32][2], the 16-bit B tile, which the config's gemm_chunk (a cm_gemm_fn for bf16
+ * weights) multiplies by every panel. */
+typedef void (*cm_mxfp4_decode_fn)(size_t k, const uint8_t *b, const uint8_t *scales, void *dst);
+
 /* out[i] = act(gate[i]) * up[i], act = silu or erf-gelu (see common/numeric.h) */
 typedef void (*cm_gated_fn)(size_t n, const float *gate, const float *up, float *out);
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
@@ -233,6 +247,12 @@ typedef struct cm_fp8_kernels {
   cm_fp8_fold_fn fold;           /* ... and folded in with the block scale */
 } cm_fp8_kernels;
 
+typedef struct cm_mxfp4_kernels {
+  cm_gemm_mxfp4_fn gemm_decode;    /* few rows: codes decoded in registers */
+  cm_mxfp4_decode_fn decode_chunk; /* more rows: a chunk decoded once to bf16 ... */
+  cm_gemm_fn gemm_chunk;           /* ... and multiplied by every panel (bf16 weights) */
+} cm_mxfp4_kernels;
+
 typedef struct cm_int4_kernels {
   cm_gemm_int4_fn gemm_decode; /* few rows, nibbles in registers; NULL: always unpack */
   cm_int4_unpack_fn unpack;    /* more rows: blocks unpacked once to s8 VNNI-4 ... */
@@ -258,6 +278,7 @@ typedef struct cm_gemm_config {
     cm_int8_kernels int8;
     cm_fp8_kernels fp8;
     cm_int4_kernels int4;
+    cm_mxfp4_kernels mxfp4;
   } kernels; /* the member of the config's scheme */
 } cm_gemm_config;
 
@@ -287,7 +308,7 @@ typedef struct cm_probe_kernels {
   double (*bf16)(int64_t iterations);
 } cm_probe_kernels;
 
-#define CM_SCHEME_COUNT 4 /* moe_comp_method values 0..3 (cpumoe_scheme) */
+#define CM_SCHEME_COUNT 5 /* moe_comp_method values 0..4 (cpumoe_scheme) */
 /* Activation dtypes a config is chosen by: CPUMOE_DTYPE_BF16 (0) and CPUMOE_DTYPE_F16 (1). */
 #define CM_ACT_DTYPE_COUNT 2
 
@@ -355,13 +376,19 @@ const cm_tier_config *cm_active_config(void);
   void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t, \
                                          const uint8_t *, size_t, const int32_t *, float *, int);
 
+#define CM_DECLARE_MXFP4(tier)                                                                   \
+  void cm_mxfp4_gemm_f32acc_mrx32__##tier(size_t, size_t, const void *, size_t, const uint8_t *, \
+                                          const uint8_t *, float *, int);                        \
+  void cm_mxfp4_to_bf16__##tier(size_t, const uint8_t *, const uint8_t *, void *);
+
 #define CM_DECLARE_ALL_KERNELS(tier) \
   CM_DECLARE_ELEMENTWISE(tier)       \
   CM_DECLARE_PROBES(tier)            \
   CM_DECLARE_UNQUANT(tier)           \
   CM_DECLARE_INT8(tier)              \
   CM_DECLARE_FP8(tier)               \
-  CM_DECLARE_INT4(tier)
+  CM_DECLARE_INT4(tier)              \
+  CM_DECLARE_MXFP4(tier)
 
 CM_DECLARE_ALL_KERNELS(scalar)
 CM_DECLARE_ALL_KERNELS(avx2)
@@ -395,12 +422,16 @@ void cm_bf16_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, 
 void cm_fp8_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
                                          const float *, float *, int);
 void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
+void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
+                                           const uint8_t *, float *, int);
 
 /* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c) */
 void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
                                   cm_prefetch);
 void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                   int32_t *, int, cm_prefetch);
+void cm_mxfp4_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const uint8_t *,
+                                   const uint8_t *, float *, int);
 void cm_amx_end_op__amx(void);
 double cm_probe_bf16_loop__amx(int64_t);
 double cm_probe_int8_loop__amx(int64_t);

@@ -67,6 +67,12 @@
                     .decode_chunk = cm_fp8_to_f32__##tier,           \
                     .gemm_chunk = cm_f32_gemm_f32acc_mrx32__##tier,  \
                     .fold = cm_fp8_fold__##tier})
+/* MXFP4: the tier's register decode, its chunk decoder, and its bf16-weight kernel on fp32
+ * panels for the decoded chunks */
+#define CM_MXFP4_KERNELS(tier)                                           \
+  ((cm_mxfp4_kernels){.gemm_decode = cm_mxfp4_gemm_f32acc_mrx32__##tier, \
+                      .decode_chunk = cm_mxfp4_to_bf16__##tier,          \
+                      .gemm_chunk = cm_bf16_gemm_f32acc_mrx32__##tier})
 /* INT4 without a decode kernel: every block unpacks, then runs the tier's u8 x s8 GEMM */
 #define CM_INT4_UNPACK_KERNELS(tier)                                 \
   ((cm_int4_kernels){.gemm_decode = NULL,                            \
@@ -82,6 +88,7 @@
 #define CM_INT8 CPUMOE_SCHEME_INT8_W8A8
 #define CM_FP8 CPUMOE_SCHEME_FP8_W8A16
 #define CM_INT4 CPUMOE_SCHEME_INT4_W4A8
+#define CM_MXFP4 CPUMOE_SCHEME_MXFP4
 
 /* The portable defaults: every slot. Only the unquantized scheme's kernels depend on the
  * activation dtype (the weights are in it); the others start alike for both. */
@@ -104,6 +111,10 @@ static void cm_config_init__scalar(cm_tier_config *c) {
     g = &c->gemm[CM_INT4][act];
     *g = base, g->kr = 4, g->a_format = CM_PANEL_U8_QUADS;
     g->kernels.int4 = CM_INT4_UNPACK_KERNELS(scalar);
+    g = &c->gemm[CM_MXFP4][act];
+    *g = base, g->kr = 2, g->a_format = g->decode_a_format = CM_PANEL_F32;
+    g->decode_max_rows = CM_DECODE_MAX_ROWS;
+    g->kernels.mxfp4 = CM_MXFP4_KERNELS(scalar);
   }
 }
 
@@ -125,6 +136,7 @@ static void cm_config_init__scalar(cm_tier_config *c) {
       (c)->gemm[CM_INT8][act].kernels.int8 = CM_INT8_KERNELS(tier);                  \
       (c)->gemm[CM_FP8][act].kernels.fp8 = CM_FP8_KERNELS(tier);                     \
       (c)->gemm[CM_INT4][act].kernels.int4 = CM_INT4_UNPACK_KERNELS(tier);           \
+      (c)->gemm[CM_MXFP4][act].kernels.mxfp4 = CM_MXFP4_KERNELS(tier);               \
     }                                                                                \
   } while (0)
 
@@ -139,7 +151,8 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
 #define CM_AVX2_INT4_DECODE_ROWS 1
-#define CM_AVX2_FP8_DECODE_ROWS 2 /* 4 accumulators a row beside the decoded weights */
+#define CM_AVX2_FP8_DECODE_ROWS 2   /* 4 accumulators a row beside the decoded weights */
+#define CM_AVX2_MXFP4_DECODE_ROWS 2 /* 4 accumulators per row for the 32 columns in one pass */
 /* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
 static cm_gemm_config *with_decode(cm_gemm_config *g, size_t max_rows, cm_panel_format format) {
   g->decode_max_rows = max_rows;
@@ -160,6 +173,7 @@ static void cm_config_init__avx2(cm_tier_config *c) {
         ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
     with_decode(&c->gemm[CM_FP8][act], CM_AVX2_FP8_DECODE_ROWS, CM_PANEL_F32)
         ->kernels.fp8.gemm_decode = cm_fp8_gemm_decode_mrx32__avx2;
+    with_decode(&c->gemm[CM_MXFP4][act], CM_AVX2_MXFP4_DECODE_ROWS, CM_PANEL_F32);
   }
 }
 
@@ -186,6 +200,7 @@ static void cm_config_init__avx512(cm_tier_config *c) {
     /* decode expands nibbles in registers and needs each row's sums per block */
     with_decode(&c->gemm[CM_INT4][act], CM_DECODE_MAX_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
         ->kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
+    with_decode(&c->gemm[CM_MXFP4][act], CM_DECODE_MAX_ROWS, CM_PANEL_F32);
   }
 }
 
@@ -197,11 +212,14 @@ static void cm_config_init__avx512(cm_tier_config *c) {
  * panels hold bf16 pairs. */
 #define CM_BF16_PAIRS_MAX_ROWS 2
 #define CM_FP8_PAIRS_MAX_ROWS 1
+#define CM_MXFP4_PAIRS_MAX_ROWS 1
 static void cm_config_init__avx512bf16(cm_tier_config *c) {
   with_decode(&c->gemm[CM_UNQUANT][CM_BF16], CM_BF16_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
       ->kernels.unquant.gemm_decode = cm_bf16_gemm_pairs_mrx32__avx512bf16;
   with_decode(&c->gemm[CM_FP8][CM_BF16], CM_FP8_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
       ->kernels.fp8.gemm_decode = cm_fp8_gemm_pairs_mrx32__avx512bf16;
+  with_decode(&c->gemm[CM_MXFP4][CM_BF16], CM_MXFP4_PAIRS_MAX_ROWS, CM_PANEL_BF16_PAIRS)
+      ->kernels.mxfp4.gemm_decode = cm_mxfp4_gemm_pairs_mrx32__avx512bf16;
 }
 
 /* AMX: tile GEMMs of CM_TILE_MR_AMX rows (two 16-row tiles). INT8 and INT4 run tdpbusd on the same
@@ -231,6 +249,14 @@ static void cm_config_init__amx(cm_tier_config *c) {
   cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
   fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
+  /* MXFP4 with bf16 activations: tdpbf16ps for every block, so a token's bits do not depend
+   * on its batch; a block of one panel decodes group by group into tile buffers (the vector
+   * kernels, with one fp32 chain per column, are bound by that chain's latency at decode),
+   * a larger one decodes each chunk once for all its panels (avx512's decoder). */
+  cm_gemm_config *mxfp4 = on_tiles(&c->gemm[CM_MXFP4][CM_BF16], CM_PANEL_BF16_ROWS);
+  mxfp4->kernels.mxfp4.gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
+  with_decode(mxfp4, CM_TILE_MR_AMX, CM_PANEL_BF16_ROWS)->kernels.mxfp4.gemm_decode =
+      cm_mxfp4_gemm_rows_mrx32__amx;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     /* the parent's VNNI kernel and its panels become the decode path */
     cm_gemm_config *g = &c->gemm[CM_INT8][act];

@@ -12,16 +12,13 @@
  * (16 k-rows x 64 bytes) and another at +64 bytes columns 16..31. A panel's rows one after
  * another are A tiles (16 rows x 64 bytes at stride a_stride elements).
  *
- * Tiles, one configuration for both kernels (every tile 16 rows x 64 bytes):
- *   0..3  C: rows 0..15 / 16..31 x columns 0..15 / 16..31
- *   4, 5  A: rows 0..15, 16..31
- *   6, 7  B: columns 0..15, 16..31
- * 2 A + 2 B loads feed 4 dot products per k step (32 k of bf16, 64 k of u8): the 2 x 2
- * register blocking that fits 8 tiles. A panel of up to 16 rows skips the second row
- * of tiles. Tile loads read whole 16-row tiles: rows past mr come from the next panel or
- * the A region's slack (CM_PANEL_SLACK_ROWS) and make C rows that are never stored. A
- * reduction that is not a whole number of k steps ends with one step on zero-padded copies
- * of its tail.
+ * Tiles, one configuration for both kernels and the tier's MXFP4 kernel (common/tile-amx.h):
+ * 4 C, 2 A (rows 0..15, 16..31), 2 B (columns 0..15, 16..31). 2 A + 2 B loads feed 4 dot
+ * products per k step (32 k of bf16, 64 k of u8): the 2 x 2 register blocking that fits 8
+ * tiles. A panel of up to 16 rows skips the second row of tiles. Tile loads read whole 16-row
+ * tiles: rows past mr come from the next panel or the A region's slack (CM_PANEL_SLACK_ROWS) and
+ * make C rows that are never stored. A reduction that is not a whole number of k steps ends with
+ * one step on zero-padded copies of its tail.
  *
  * Each worker loads the configuration at its first tile kernel of an op and releases the
  * tiles when the op ends (cm_amx_end_op, the tier's end_op): ldtilecfg costs as much as a
@@ -34,27 +31,15 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "common/tile-amx.h"
 #include "common/ukernels.h"
 
-#define CM_AMX_TILE_ROWS 16
-#define CM_AMX_TILE_BYTES 64   /* bytes per tile row */
-#define CM_AMX_B_ROW_BYTES 128 /* bytes per k-row of a packed 32-column block */
 #ifndef CM_AMX_PF_L1_STEPS
 #define CM_AMX_PF_L1_STEPS 4 /* B prefetched into L1 this many k steps ahead ... */
 #endif
 #ifndef CM_AMX_PF_L2_STEPS
 #define CM_AMX_PF_L2_STEPS 0 /* ... and into L2 this many (0: not) */
 #endif
-
-/* tile numbers: macros, not an enum, since the intrinsics paste them into the asm */
-#define TC00 0
-#define TC01 1
-#define TC10 2
-#define TC11 3
-#define TA0 4
-#define TA1 5
-#define TB0 6
-#define TB1 7
 
 typedef struct cm_amx_tile_config {
   uint8_t palette;
@@ -64,15 +49,21 @@ typedef struct cm_amx_tile_config {
   uint8_t rows[16];
 } cm_amx_tile_config;
 
+/* Every tile 16 rows x 64 bytes. A constant in memory, not a local filled before the
+ * load: GCC 12 does not see that ldtilecfg reads the local's rows and colsb and drops those
+ * stores once the function is not inlined (the tiles then stay unconfigured: #UD). */
+#define CM_AMX_8(v) v, v, v, v, v, v, v, v
+static const cm_amx_tile_config cm_amx_config __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {CM_AMX_8(CM_AMX_TILE_BYTES)},
+    .rows = {CM_AMX_8(CM_AMX_TILE_ROWS)},
+};
+
 static _Thread_local int cm_amx_configured;
 
-static void configure_tiles(void) {
+void cm_amx_configure_tiles__amx(void) {
   if (cm_amx_configured) return;
-  _Alignas(64) cm_amx_tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; t++) cfg.colsb[t] = CM_AMX_TILE_BYTES, cfg.rows[t] = CM_AMX_TILE_ROWS;
-  _tile_loadconfig(&cfg);
+  _tile_loadconfig(&cm_amx_config);
   cm_amx_configured = 1;
 }
 
@@ -81,54 +72,6 @@ void cm_amx_end_op__amx(void) {
   _tile_release();
   cm_amx_configured = 0;
 }
-
-/* C tiles from c (row stride 32 floats or ints) or zero; c holds mr rows, so a panel of
- * other than 16 or 32 rows goes through a full-size copy. */
-#define CM_AMX_C_STRIDE (CM_NR * 4)
-
-static inline __attribute__((always_inline)) void load_c(int two, const void *c, int accumulate) {
-  if (!accumulate) {
-    _tile_zero(TC00);
-    _tile_zero(TC01);
-    if (two) {
-      _tile_zero(TC10);
-      _tile_zero(TC11);
-    }
-    return;
-  }
-  const char *p = (const char *)c;
-  _tile_loadd(TC00, p, CM_AMX_C_STRIDE);
-  _tile_loadd(TC01, p + 64, CM_AMX_C_STRIDE);
-  if (two) {
-    _tile_loadd(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
-    _tile_loadd(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
-  }
-}
-
-static inline __attribute__((always_inline)) void store_c(int two, void *c) {
-  char *p = (char *)c;
-  _tile_stored(TC00, p, CM_AMX_C_STRIDE);
-  _tile_stored(TC01, p + 64, CM_AMX_C_STRIDE);
-  if (two) {
-    _tile_stored(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
-    _tile_stored(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
-  }
-}
-
-/* One k step: A rows at a (stride a_bytes), B k-rows at b (stride b_bytes). */
-#define CM_AMX_STEP(DP, two, a, a_bytes, b, b_bytes)                    \
-  do {                                                                  \
-    _tile_loadd(TB0, (b), (b_bytes));                                   \
-    _tile_loadd(TB1, (const char *)(b) + CM_AMX_TILE_BYTES, (b_bytes)); \
-    _tile_loadd(TA0, (a), (a_bytes));                                   \
-    DP(TC00, TA0, TB0);                                                 \
-    DP(TC01, TA0, TB1);                                                 \
-    if (two) {                                                          \
-      _tile_loadd(TA1, (const char *)(a) + 16 * (a_bytes), (a_bytes));  \
-      DP(TC10, TA1, TB0);                                               \
-      DP(TC11, TA1, TB1);                                               \
-    }                                                                   \
-  } while (0)
 
 /* The last, partial k step: its `tail` bytes of each A row and its b_rows k-rows of B,
  * copied into zeroed full tiles (zero products leave the sums as they are). */
@@ -169,8 +112,8 @@ static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, s
     _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                              \
     void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce; \
     if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                   \
-    configure_tiles();                                                                      \
-    load_c(two, cc, accumulate);                                                            \
+    cm_amx_configure_tiles__amx();                                                          \
+    cm_amx_load_c(two, cc, accumulate);                                                     \
     for (size_t s = 0; s < steps; s++) {                                                    \
       const uint8_t *bs = b8 + s * step_b_bytes;                                            \
       pf;                                                                                   \
@@ -182,7 +125,7 @@ static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, s
                 b8 + steps * step_b_bytes, tail_k / (k_per_b_row));                         \
       CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                \
     }                                                                                       \
-    store_c(two, cc);                                                                       \
+    cm_amx_store_c(two, cc);                                                                \
     if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                 \
   } while (0)
 

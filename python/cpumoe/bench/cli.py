@@ -133,7 +133,7 @@ COMPARE_COMMAND = "compare"  # python -m cpumoe bench compare A.json B.json
 ROUTING_COMMAND = "routing"  # python -m cpumoe bench routing [options]
 LINEAR_COMMAND = "linear"  # python -m cpumoe bench linear [options]
 
-QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4", "m": "1,64,512",
+QUICK = {"shape": "qwen3-30b-a3b", "scheme": "bf16,int8,fp8,int4,mxfp4", "m": "1,64,512",
          "min_time": 0.3}
 
 
@@ -147,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--scheme", type=parse_schemes, default=None, metavar="S,S,...",
                    help="weight schemes, comma list of %s or all: bf16, fp16 (weights and "
                         "activations in that dtype), int8 (INT8 W8A8), fp8 (FP8 W8A16), int4 "
-                        "(INT4 W4A8; skipped with the reason if this cpumoe cannot run it); "
+                        "(INT4 W4A8; skipped with the reason if this cpumoe cannot run it), "
+                        "mxfp4 (MXFP4, gpt-oss); "
                         "quantized schemes take activations in --dtype (default: --dtype)"
                         % ", ".join(SCHEMES))
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",

@@ -13,12 +13,18 @@ import torch
 
 from ..ops import (
     MoeCompMethod,
+    convert_scale_packed,
     convert_weight_packed,
     convert_weight_packed_scale_zp,
     fused_experts,
 )
-from ..quant import quantize_fp8_blockwise, quantize_int4, quantize_int8_per_channel
-from ..reference import dequantize_int4, unpack_int4_checkpoint
+from ..quant import (
+    quantize_fp8_blockwise,
+    quantize_int4,
+    quantize_int8_per_channel,
+    quantize_mxfp4,
+)
+from ..reference import dequantize_int4, dequantize_mxfp4, unpack_int4_checkpoint
 from .baselines import _rel_diff, baseline_moe, int4pack_unavailable
 from .shapes import DTYPES, Shape, _dtype_name, make_routings
 
@@ -47,9 +53,10 @@ WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], 
 
 
 # The compute ceiling of a scheme's rows by activation dtype (``Scheme.peak_kinds``; the kinds
-# of :meth:`~cpumoe.bench.machine.Limits.peak`). 16-bit and FP8 weights with bf16
+# of :meth:`~cpumoe.bench.machine.Limits.peak`). 16-bit, FP8 and MXFP4 weights with bf16
 # activations are judged against the bf16 peak (AMX tdpbf16ps on amx, whose tile GEMM takes
-# bf16 weights and FP8 decoded to bf16; the fp32 FMA loop on the tiers that widen bf16),
+# bf16 weights and FP8 or MXFP4 decoded to bf16; the fp32 FMA loop on the tiers that widen
+# bf16),
 # with fp16 activations against the fp32 FMA peak (fp16 is widened to fp32 on every tier).
 # INT8 and INT4 run u8*s8 dot products whatever the activation dtype.
 FLOAT_PEAKS = {"bf16": "bf16", "fp16": "fp32_fma"}
@@ -103,6 +110,33 @@ def _fp8_weights(w1, w2, g, pack) -> SchemeWeights:
     return SchemeWeights(convert_weight_packed(q1) if pack else None,
                          convert_weight_packed(q2) if pack else None,
                          {"w1_scale": s1, "w2_scale": s2, "block_size": list(FP8_BLOCK)})
+
+
+def _mxfp4_weights(w1, w2, g, pack) -> SchemeWeights:
+    """MXFP4 of the random weights (:func:`cpumoe.quant.quantize_mxfp4`: e2m1 codes, an e8m0
+    scale per 32 input features), codes packed by :func:`cpumoe.convert_weight_packed`,
+    scales by :func:`cpumoe.convert_scale_packed`."""
+    c1, s1 = _mxfp4_experts(w1)
+    c2, s2 = _mxfp4_experts(w2)
+    return SchemeWeights(convert_weight_packed(c1) if pack else None,
+                         convert_weight_packed(c2) if pack else None,
+                         {"w1_scale": convert_scale_packed(s1),
+                          "w2_scale": convert_scale_packed(s2)})
+
+
+def _mxfp4_experts(w: torch.Tensor):
+    """Per expert: MXFP4 codes [E, OC, IC/2] and e8m0 scales [E, OC, IC/32] of ``w [E, OC,
+    IC]``; ``w`` is overwritten with the decoded weights (exact in bf16; in fp16 rounded), what
+    the eager baseline reads. One expert at a time, so the temporaries stay small."""
+    E, OC, IC = w.shape
+    codes = torch.empty(E, OC, IC // 2, dtype=torch.uint8)
+    scales = torch.empty(E, OC, IC // 32, dtype=torch.uint8)
+    for e in range(E):
+        c, s = quantize_mxfp4(w[e])
+        codes[e].copy_(c)
+        scales[e].copy_(s)
+        w[e].copy_(dequantize_mxfp4(c, s))
+    return codes, scales
 
 
 def int4_group_size(K: int, N: int) -> int:
@@ -198,6 +232,9 @@ SCHEMES: Dict[str, Scheme] = {s.name: s for s in (
     Scheme("int4", MoeCompMethod.INT4_W4A8, "INT4 W4A8 (moe_comp_method=3): AWQ int4 weights, "
            "groups of 128 (64 or 32 where K or N needs it), activations quantized per token",
            U8S8_PEAKS, _int4_weights, "int4pack", _int4_unavailable),
+    Scheme("mxfp4", MoeCompMethod.MXFP4, "MXFP4 (moe_comp_method=4, gpt-oss): e2m1 weights, an "
+           "e8m0 scale per 32 input features, decoded exactly to bf16", FLOAT_PEAKS,
+           _mxfp4_weights),
 )}
 
 

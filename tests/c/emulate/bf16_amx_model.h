@@ -131,7 +131,11 @@ struct cm_amx_unit {
   uint8_t rows[CM_AMX_TILES];
   uint8_t data[CM_AMX_TILES][CM_AMX_MAX_ROWS][CM_AMX_BYTES_PER_ROW];
 };
-static _Thread_local struct cm_amx_unit cm_amx;
+/* One unit per thread for the whole program, as the hardware's tile state: every translation
+ * unit that includes this header (each amx kernel file) defines it weak, and the linker keeps
+ * one. (A static one per file would leave the tiles that one file configured unconfigured
+ * for the kernels of another.) */
+__attribute__((weak)) _Thread_local struct cm_amx_unit cm_amx;
 
 /* ldtilecfg: the SDM's checks, all before anything changes (a #GP leaves the state as it
  * was). Palette 0 is the INIT state: unconfigured, tiles zero. */
