@@ -15,7 +15,8 @@ baseline. For each M (default 1 and 512) it then
   together (a barrier before each call): the whole sharded call (the slowest rank's time),
   the local op alone (slowest rank), the all-reduce of the float32 ``[M, K]`` partial sums
   alone, and one process holding every expert with ``world size x threads`` threads while
-  the other ranks wait (``--no-baseline`` skips it).
+  the other ranks wait (``--no-baseline`` skips it; it is rank 0, so under a numactl binding
+  its threads stay on rank 0's node).
 
 The table it prints has the rows docs/PERFORMANCE.md records.
 """
@@ -222,6 +223,10 @@ def check(rank: Rank, M: int, x, routing) -> bool:
     return ok
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def median_ms(samples) -> float:
     return 1e3 * statistics.median(samples)
 
@@ -268,8 +273,9 @@ def run_rank(args) -> int:
     dist.barrier()
     rank.say(f"cpumoe.distributed demo: layer E={args.E} topk={args.topk} K={args.K} "
              f"N={args.N}, {args.scheme} weights, {str(rank.dtype).replace('torch.', '')} "
-             f"activations; {rank.world} processes x {args.threads} thread(s), tier "
-             f"{cpumoe.isa()}, gloo; weights made in {time.perf_counter() - t0:.1f} s")
+             f"activations; {plural(rank.world, 'process')} x "
+             f"{plural(args.threads, 'thread')}, tier {cpumoe.isa()}, gloo; weights made in "
+             f"{time.perf_counter() - t0:.1f} s")
     ok, rows = True, []
     for M in args.tokens:
         x, routings = make_inputs(args, M, args.repeats, rank.dtype)
@@ -278,8 +284,9 @@ def run_rank(args) -> int:
 
     world, threads = rank.world, args.threads
     rank.say(f"\ntimings, ms, median of {args.repeats} calls, each on a fresh routing:")
-    rank.say(f"| M | 1 process x {world * threads} threads | {world} processes x {threads} "
-             f"thread(s) | local op, slowest rank | all-reduce alone, [M, {args.K}] fp32 |")
+    rank.say(f"| M | 1 process x {plural(world * threads, 'thread')} | "
+             f"{plural(world, 'process')} x {plural(threads, 'thread')} | local op, slowest "
+             f"rank | all-reduce alone, [M, {args.K}] fp32 |")
     rank.say("|---:|---:|---:|---:|---:|")
     for M, single_ms, whole_ms, local_ms, reduce_ms in rows:
         base = "-" if single_ms is None else f"{single_ms:.2f}"
