@@ -35,7 +35,6 @@ from cpumoe import reference
 from cpumoe_testing import (
     DTYPES,
     INT4,
-    SUPPORTED_ISAS,
     Int4Weights,
     assert_elementwise_close,
     make_bias,
@@ -370,7 +369,7 @@ WORKER_TIMEOUT = 150.0  # seconds before a stuck run is stopped (it takes a few 
 PROCESS_GROUP_TIMEOUT = 60.0
 # The tiers the processes run every case on: the best and the portable one (the tests above
 # hold every tier to the bound in one process; what processes add is gloo's sum).
-PROCESS_TIERS = list(dict.fromkeys([SUPPORTED_ISAS[-1], SUPPORTED_ISAS[0]]))
+PROCESS_TIERS = list(dict.fromkeys([cpumoe.best_isa(), "scalar"]))
 
 
 def gloo_missing():
