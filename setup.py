@@ -88,7 +88,7 @@ setup(
     name="cpumoe",
     version="0.1.0",
     package_dir={"": "python"},
-    packages=["cpumoe", "cpumoe.bench", "cpumoe.bench.peers"],
+    packages=["cpumoe", "cpumoe.bench", "cpumoe.bench.peers", "cpumoe.distributed"],
     ext_modules=[
         CppExtension(
             name="cpumoe._C",

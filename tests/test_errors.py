@@ -807,6 +807,57 @@ def _empty_k(call):
                 w2=lambda a: torch.zeros(*a["w2"].shape[:-2], 0, N, dtype=BF16))
 
 
+def call_fp32(**over):
+    """fused_experts_fp32_cpu (cpumoe's float32-sum op) with valid bf16 arguments, `over`
+    applied."""
+    w1, w2, _ = scheme_args(0, (E,))
+    tw, ti = make_routing(M, E, TOPK)
+    a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2,
+                    topk_weights=tw, topk_ids=ti), over)
+    return cpumoe.fused_experts_fp32(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
+                                     a.pop("topk_weights"), a.pop("topk_ids"), **a)
+
+
+def _f32(arg, what, **over):
+    return Rejected("fp32", arg, what, lambda: call_fp32(**over))
+
+
+def call_distributed(**over):
+    """cpumoe.distributed.fused_experts as the second of two ranks (experts [8, 16) of 16),
+    `over` applied. With valid arguments it stops at torch.distributed, which this test
+    process never initializes."""
+    import cpumoe.distributed as ep
+
+    w1, w2, _ = scheme_args(0, (E,))
+    tw, ti = make_routing(M, 2 * E, TOPK)
+    a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16), w1=w1, w2=w2,
+                    topk_weights=tw, topk_ids=ti, first_expert=E, num_experts=2 * E), over)
+    return ep.fused_experts(a.pop("hidden_states"), a.pop("w1"), a.pop("w2"),
+                            a.pop("topk_weights"), a.pop("topk_ids"), **a)
+
+
+def _d(arg, what, **over):
+    return Rejected("distributed", arg, what, lambda: call_distributed(**over))
+
+
+def _bad_global_id(a):
+    ti = a["topk_ids"].clone()
+    ti[2, 1] = 2 * E
+    return ti
+
+
+def _shard(tensor, rank=0, world_size=2):
+    import cpumoe.distributed as ep
+
+    return lambda: ep.shard_experts(tensor, rank, world_size)
+
+
+def _range(num_experts=2 * E, rank=0, world_size=2):
+    import cpumoe.distributed as ep
+
+    return lambda: ep.expert_range(num_experts, rank, world_size)
+
+
 CATALOGUE = [
     # -- fused_experts_cpu, every scheme ------------------------------------------------
     _f("moe_comp_method", "not 0 to 4 (here 7)", moe_comp_method=7),
@@ -1126,6 +1177,29 @@ CATALOGUE = [
                                   num_token_non_padded=torch.tensor([2], device="meta"))),
     Rejected("devices", "gating_output", "a meta tensor among CPU tensors (routing ops)",
              lambda: call_routing("biased_topk", gating_output=_meta("gating_output"))),
+    # -- fused_experts_fp32_cpu: fused_experts_cpu's checks, its own name -----------------
+    _f32("hidden_states", "float32 (any dtype but bfloat16/float16)",
+         hidden_states=torch.zeros(M, K)),
+    _f32("w1", "dtype other than the scheme's", w1=lambda a: a["w1"].half()),
+    _f32("topk_ids", "an id outside [0, E) other than -1 (here 8 at [2, 1])", topk_ids=_bad_id),
+    _f32("activation", "not silu or gelu", activation="relu"),
+    # -- cpumoe.distributed ---------------------------------------------------------------
+    _d("w1", "0-D (no expert dim)", w1=torch.tensor(1.0)),
+    _d("first_expert", "a local range [first_expert, first_expert + E) beyond num_experts",
+       first_expert=E + 1),
+    _d("num_experts", "0", num_experts=0),
+    _d("topk_ids", "a global id outside [0, num_experts) other than -1 (here 16 at [2, 1])",
+       topk_ids=_bad_global_id),
+    _d("topk_ids", "not int32 or int64", topk_ids=lambda a: a["topk_ids"].float()),
+    _d("torch.distributed", "not initialized (valid arguments otherwise)"),
+    Rejected("distributed", "tensor", "E not divisible by world_size (shard_experts)",
+             _shard(torch.zeros(E + 1, 4))),
+    Rejected("distributed", "tensor", "0-D (shard_experts)", _shard(torch.tensor(1.0))),
+    Rejected("distributed", "rank", "outside [0, world_size) (expert_range, shard_experts)",
+             _range(rank=2)),
+    Rejected("distributed", "world_size", "0 (expert_range)", _range(world_size=0)),
+    Rejected("distributed", "num_experts", "not divisible by world_size (expert_range)",
+             _range(num_experts=2 * E + 1)),
 ]
 
 # -- the dense linear ops ---------------------------------------------------------------
@@ -1250,6 +1324,8 @@ SECTIONS = {  # docs/ERRORS.md table name -> the op each message starts with
     "int4": "",
     "routing": "(" + "|".join(op + "_cpu" for op in ROUTING_OPS) + ")",
     "linear": "(" + "|".join(LINEAR_OPS.values()) + ")",
+    "fp32": "fused_experts_fp32_cpu",
+    "distributed": r"(cpumoe\.distributed\.fused_experts|shard_experts|expert_range)",
 }
 
 

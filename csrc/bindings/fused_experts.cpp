@@ -1,5 +1,6 @@
 // torch.ops.cpumoe.fused_experts_cpu, its overloads (SGLang's three schemas and vLLM's
-// out-variant, docs/SGLANG.md). The scheme's row (schemes.h) checks and describes the weights
+// out-variant, docs/SGLANG.md), and cpumoe's fused_experts_fp32_cpu (the same layer, its fp32
+// sum before the one rounding). The scheme's row (schemes.h) checks and describes the weights
 // and their scales; this file checks what every scheme shares (hidden_states, routing,
 // biases, activation) in the order docs/ERRORS.md gives, and runs the problem.
 #include <ATen/MemoryOverlap.h>
@@ -63,18 +64,21 @@ void check_biases(const std::optional<at::Tensor> &w1_bias,
   }
 }
 
-}  // namespace
+// Where the result goes: a new tensor in the activation dtype, hidden_states itself
+// (inplace), or a new float32 tensor holding the sum before its one rounding.
+enum class Output { kNew, kInPlace, kFloat32 };
 
-at::Tensor fused_experts_cpu_activation(
-    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
-    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+// Every overload of fused_experts_cpu and fused_experts_fp32_cpu: `op` names the op in the
+// messages.
+at::Tensor run_fused_experts(
+    const char *op, Output output, const at::Tensor &hidden_states, const at::Tensor &w1,
+    const at::Tensor &w2, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
     int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
     const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
     const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
     std::optional<double> alpha, std::optional<double> limit, bool is_vnni,
     std::optional<c10::string_view> activation) {
-  const char *op = "fused_experts_cpu";
   const SchemeTraits &scheme = scheme_for_method(moe_comp_method, op);
   check_dense(hidden_states, "hidden_states", op, 2);
   cpumoe_moe_problem problem{};
@@ -107,7 +111,12 @@ at::Tensor fused_experts_cpu_activation(
   check_biases(w1_bias, w2_bias, problem.E, problem.N, problem.K, op);
   const cpumoe_activation act = parse_activation(activation, alpha, limit, op);
 
-  at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
+  at::Tensor out =
+      output == Output::kInPlace ? hidden_states
+      : output == Output::kFloat32
+          ? at::empty({problem.M, problem.K}, hidden_states.options().dtype(at::kFloat))
+          : new_output_like(hidden_states);
+  problem.out_f32 = output == Output::kFloat32;
   problem.topk = routing.ids.size(1);
   problem.activation = act;
   problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
@@ -122,6 +131,37 @@ at::Tensor fused_experts_cpu_activation(
   problem.out = out.data_ptr();
   run_problem(problem, op);
   return out;
+}
+
+}  // namespace
+
+at::Tensor fused_experts_cpu_activation(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
+    int64_t moe_comp_method, const std::optional<at::Tensor> &w1_scale,
+    const std::optional<at::Tensor> &w2_scale, const std::optional<at::Tensor> &w1_zero,
+    const std::optional<at::Tensor> &w2_zero, at::OptionalIntArrayRef block_size,
+    const std::optional<at::Tensor> &w1_bias, const std::optional<at::Tensor> &w2_bias,
+    std::optional<double> alpha, std::optional<double> limit, bool is_vnni,
+    std::optional<c10::string_view> activation) {
+  return run_fused_experts("fused_experts_cpu", inplace ? Output::kInPlace : Output::kNew,
+                           hidden_states, w1, w2, topk_weights, topk_ids, moe_comp_method, w1_scale,
+                           w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit,
+                           is_vnni, activation);
+}
+
+at::Tensor fused_experts_fp32_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, int64_t moe_comp_method,
+    const std::optional<at::Tensor> &w1_scale, const std::optional<at::Tensor> &w2_scale,
+    const std::optional<at::Tensor> &w1_zero, const std::optional<at::Tensor> &w2_zero,
+    at::OptionalIntArrayRef block_size, const std::optional<at::Tensor> &w1_bias,
+    const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
+    std::optional<double> limit, bool is_vnni, std::optional<c10::string_view> activation) {
+  return run_fused_experts("fused_experts_fp32_cpu", Output::kFloat32, hidden_states, w1, w2,
+                           topk_weights, topk_ids, moe_comp_method, w1_scale, w2_scale, w1_zero,
+                           w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni,
+                           activation);
 }
 
 at::Tensor fused_experts_cpu_bias(

@@ -56,6 +56,18 @@ void fused_experts_cpu_out(
     const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
     std::optional<double> limit, bool is_vnni);
 
+// fused_experts_fp32_cpu (cpumoe only): fused_experts_cpu.activation without `inplace`,
+// returning float32 [M, K]: the sum over slots before its one rounding to the activation
+// dtype (expert parallelism adds the ranks' partial sums, then rounds once).
+at::Tensor fused_experts_fp32_cpu(
+    const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
+    const at::Tensor &topk_weights, const at::Tensor &topk_ids, int64_t moe_comp_method,
+    const std::optional<at::Tensor> &w1_scale, const std::optional<at::Tensor> &w2_scale,
+    const std::optional<at::Tensor> &w1_zero, const std::optional<at::Tensor> &w2_zero,
+    at::OptionalIntArrayRef block_size, const std::optional<at::Tensor> &w1_bias,
+    const std::optional<at::Tensor> &w2_bias, std::optional<double> alpha,
+    std::optional<double> limit, bool is_vnni, std::optional<c10::string_view> activation);
+
 at::Tensor shared_expert_cpu(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const std::optional<at::Tensor> &fused_experts_out, std::optional<double> routed_scaling_factor,

@@ -28,6 +28,12 @@ TORCH_LIBRARY(cpumoe, m) {
       "topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, "
       "Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, Tensor? w1_bias, "
       "Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()");
+  // cpumoe only: the fp32 sum before its one rounding (expert parallelism, docs/SGLANG.md)
+  m.def(
+      "fused_experts_fp32_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+      "Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, Tensor? w1_zero, "
+      "Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, float? alpha, float? "
+      "limit, bool is_vnni, str? activation=None) -> Tensor");
   m.def(
       "shared_expert_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor? fused_experts_out, "
       "float? routed_scaling_factor, bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, "
@@ -81,6 +87,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_cpu.bias", &ops::fused_experts_cpu_bias);
   m.impl("fused_experts_cpu.activation", &ops::fused_experts_cpu_activation);
   m.impl("fused_experts_cpu.out", &ops::fused_experts_cpu_out);
+  m.impl("fused_experts_fp32_cpu", &ops::fused_experts_fp32_cpu);
   m.impl("shared_expert_cpu", &ops::shared_expert_cpu);
   m.impl("shared_expert_cpu.mxfp4", &ops::shared_expert_cpu_mxfp4);
   m.impl("convert_weight_packed", &ops::convert_weight_packed);

@@ -3,7 +3,10 @@
 Importing the package registers the ops under ``torch.ops.cpumoe``:
 
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
-  17-argument schema: biases, GPT-OSS ``alpha``/``limit``; ``.out``, vLLM's out-variant),
+  17-argument schema: biases, GPT-OSS ``alpha``/``limit``; ``.activation`` with the
+  18-argument one; ``.out``, vLLM's out-variant),
+* ``fused_experts_fp32_cpu`` (cpumoe only: the float32 sum before the one rounding, for
+  expert parallelism: :mod:`cpumoe.distributed`),
 * ``shared_expert_cpu`` (and ``.mxfp4``, SGLang's newer schema: ``use_mxfp4``,
   ``alpha``/``limit``),
 * ``convert_weight_packed``, ``convert_scale_packed`` (MXFP4 scales),
@@ -42,6 +45,7 @@ from .ops import (
     convert_weight_packed_scale_zp,
     fp8_scaled_mm,
     fused_experts,
+    fused_experts_fp32,
     fused_experts_into,
     grouped_topk,
     int4_scaled_mm,
@@ -67,6 +71,7 @@ __all__ = [
     "cpu_features",
     "fp8_scaled_mm",
     "fused_experts",
+    "fused_experts_fp32",
     "fused_experts_into",
     "grouped_topk",
     "int4_scaled_mm",

@@ -59,6 +59,17 @@ def _fused_experts_out_fake(out, hidden_states, w1, w2, topk_weights, topk_ids, 
                  w1_bias=w1_bias, w2_bias=w2_bias)
 
 
+@torch.library.register_fake("cpumoe::fused_experts_fp32_cpu")
+def _fused_experts_fp32_fake(hidden_states, w1, w2, topk_weights, topk_ids, moe_comp_method,
+                             w1_scale, w2_scale, w1_zero, w2_zero, block_size, w1_bias, w2_bias,
+                             alpha, limit, is_vnni, activation=None):
+    _same_device("fused_experts_fp32_cpu", hidden_states, w1=w1, w2=w2,
+                 topk_weights=topk_weights, topk_ids=topk_ids, w1_scale=w1_scale,
+                 w2_scale=w2_scale, w1_zero=w1_zero, w2_zero=w2_zero, w1_bias=w1_bias,
+                 w2_bias=w2_bias)
+    return hidden_states.new_empty(hidden_states.shape, dtype=torch.float32)
+
+
 @torch.library.register_fake("cpumoe::shared_expert_cpu")
 def _shared_expert_fake(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
                         inplace, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size,

@@ -186,6 +186,42 @@ def fused_experts_into(
                                            is_vnni)
 
 
+def fused_experts_fp32(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    moe_comp_method: int = MoeCompMethod.UNQUANT,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    w1_zero: Optional[torch.Tensor] = None,
+    w2_zero: Optional[torch.Tensor] = None,
+    block_size: Optional[Sequence[int]] = None,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+    is_vnni: bool = True,
+    activation: Optional[str] = None,
+) -> torch.Tensor:
+    """:func:`fused_experts` without its last step: returns the float32 ``[M, K]`` sum over
+    the slots as it stands before the one rounding to the activation dtype
+    (``torch.ops.cpumoe.fused_experts_cpu``'s output is exactly this tensor rounded once,
+    ``.to(hidden_states.dtype)``, bit for bit). cpumoe only (SGLang has no such op).
+
+    Its use is expert parallelism: each rank computes the slots of its own experts (the
+    others' ids are -1), the ranks add their float32 partial sums, and the total is
+    rounded once (:func:`cpumoe.distributed.fused_experts`). Arguments as
+    :func:`fused_experts`, without ``inplace``.
+    """
+    block = list(block_size) if block_size is not None else None
+    return torch.ops.cpumoe.fused_experts_fp32_cpu(
+        hidden_states, w1, w2, topk_weights, topk_ids, int(moe_comp_method), w1_scale,
+        w2_scale, w1_zero, w2_zero, block, w1_bias, w2_bias, alpha, limit, is_vnni, activation)
+
+
 def shared_expert(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,

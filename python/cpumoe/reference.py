@@ -396,8 +396,34 @@ def fused_experts(
     K/2], w2 [E, K, N/2] with unpacked e8m0 scales w1_scale [E, 2N, K/32], w2_scale [E, K,
     N/32], as :func:`cpumoe.quant.quantize_mxfp4` returns them, for method 4); topk_weights
     and topk_ids [M, topk]; an id of -1 skips its slot. The activation: :func:`activate`.
-    Returns [M, K] in the dtype of hidden_states.
+    Returns [M, K] in the dtype of hidden_states: :func:`fused_experts_fp32` rounded once.
     """
+    return fused_experts_fp32(hidden_states, w1, w2, topk_weights, topk_ids, w1_bias, w2_bias,
+                              alpha, limit, moe_comp_method, w1_scale, w2_scale, block_size,
+                              w1_zero, w2_zero, activation).to(hidden_states.dtype)
+
+
+def fused_experts_fp32(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+    moe_comp_method: int = 0,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_size: Optional[list] = None,
+    w1_zero: Optional[torch.Tensor] = None,
+    w2_zero: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+) -> torch.Tensor:
+    """Reference of `fused_experts_fp32_cpu`: :func:`fused_experts` before its one rounding,
+    the float32 [M, K] sum over the slots (here summed per expert, in torch's order).
+    Arguments as :func:`fused_experts`."""
     if moe_comp_method not in _SCHEME_EXPERTS:
         raise ValueError(f"unknown moe_comp_method {moe_comp_method}")
     expert = _SCHEME_EXPERTS[moe_comp_method]
@@ -417,7 +443,7 @@ def fused_experts(
         contrib = torch.zeros(M, ids.shape[1], K, dtype=torch.float32)
         contrib[rows, slots] = y * weights[rows, slots, None]
         out += contrib.sum(1)
-    return out.to(hidden_states.dtype)
+    return out
 
 
 def shared_expert(

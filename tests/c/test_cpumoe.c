@@ -13,7 +13,8 @@
  *                  not of 64; on every ISA tier the CPU runs (bit-identical to each other)
  *                  and with a pthread runner (bit-identical to serial); a workspace of
  *                  exactly the size asked for (malloc'd, so ASan sees any overrun),
- *                  aligned and not, filled with garbage.
+ *                  aligned and not, filled with garbage; with out_f32, the fp32 sum
+ *                  rounded once equals the 16-bit output bit for bit.
  *   packers        VNNI-2 (16-bit, 8-bit), VNNI-4 int8 + compensation, INT4 from AWQ and
  *                  GPTQ checkpoints, byte for byte against the formulas of docs/FORMATS.md.
  *   errors         each rejected input returns its documented status with a message of
@@ -1076,6 +1077,32 @@ static int same_bits_expected(cpumoe_isa a, cpumoe_isa b) {
           (strcmp(ca + chain, "-daz") == 0 || strcmp(cb + chain, "-daz") == 0));
 }
 
+/* The case again with out_f32 (into a buffer of its own): the fp32 sum, rounded once here,
+ * must give `bits`, the 16-bit output of the same tier; serial and threaded alike. */
+static void check_out_f32(moe_data *d, const uint16_t *bits, const char *tier) {
+  const int64_t n = d->c->M * d->c->K;
+  float *sums = xmalloc(sizeof(float) * (size_t)n);
+  cpumoe_moe_problem p = d->p;
+  p.out = sums;
+  p.out_f32 = 1;
+  if (d->out == d->x) memcpy(d->x, d->x_saved, 2 * (size_t)n); /* x (and residual) as given */
+  const size_t bytes = cpumoe_fused_experts_workspace_size(&p);
+  char *ws = xmalloc(bytes);
+  for (int threaded = 0; threaded < 2; threaded++) {
+    memset(sums, 0xff, sizeof(float) * (size_t)n); /* NaN: an element not written shows */
+    const cpumoe_status st = cpumoe_fused_experts(&p, ws, bytes, threaded ? &g_threads : NULL);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += act_bits(d->c->act, sums[i]) != bits[i];
+    CHECK(st == CPUMOE_OK && differ == 0,
+          "%s [%s]: the float32 out rounded once differs from the 16-bit out in %lld of %lld "
+          "elements (%s, status %d)",
+          d->c->name, tier, (long long)differ, (long long)n, threaded ? "threaded" : "serial",
+          (int)st);
+  }
+  free(ws);
+  free(sums);
+}
+
 static void test_case(const moe_case *c) {
   moe_data d;
   make_data(c, &d);
@@ -1115,6 +1142,7 @@ static void test_case(const moe_case *c) {
     st = run_op(&d, &g_threads, 1);
     CHECK(st == CPUMOE_OK && memcmp(serial, d.out, out_bytes) == 0,
           "%s [%s]: threaded run differs from serial (status %d)", c->name, tier, (int)st);
+    check_out_f32(&d, serial, tier);
     free(serial);
     CHECK(c->M * c->topk < 2 || g_runner_stats.calls > 0, "%s: the runner was never used", c->name);
   }
@@ -1173,6 +1201,7 @@ static void test_fused_errors(void) {
   const size_t bytes = cpumoe_fused_experts_workspace_size(&good);
   char *ws = xmalloc(bytes);
   float scale = 1.0f, bias = 0.0f;
+  float f32_out[2 * 32]; /* an fp32 out [M, K] of its own */
   int8_t zero = 0;
 
   /* Each mutation of the good problem: the status, a word of the message, and that the
@@ -1205,6 +1234,11 @@ static void test_fused_errors(void) {
   REJECT("w1 NULL", p.w1 = NULL, CPUMOE_EINVAL, "NULL");
   REJECT("w2 NULL", p.w2 = NULL, CPUMOE_EINVAL, "NULL");
   REJECT("out NULL", p.out = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT("out_f32 2", p.out_f32 = 2, CPUMOE_EINVAL, "out_f32");
+  REJECT("f32 out is x", (p.out_f32 = 1, p.out = d.x), CPUMOE_EINVAL, "overlap");
+  REJECT("f32 out overlaps x", (p.out_f32 = 1, p.out = d.x + 32), CPUMOE_EINVAL, "overlap");
+  REJECT("f32 out overlaps residual", (p.out_f32 = 1, p.out = f32_out, p.residual = f32_out + 3),
+         CPUMOE_EINVAL, "overlap");
   REJECT("int8 no w1_scale", (p.scheme = INT8, p.w2_scale = &scale), CPUMOE_EINVAL, "w1_scale");
   REJECT("int8 no w2_scale", (p.scheme = INT8, p.w1_scale = &scale), CPUMOE_EINVAL, "w2_scale");
   REJECT("int8 K>65536", (p.scheme = INT8, p.w1_scale = p.w2_scale = &scale, p.K = 65568),

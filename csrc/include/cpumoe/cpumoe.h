@@ -97,7 +97,7 @@ typedef struct cpumoe_runner {
  * out[m] = sum_j topk_weights[m,j] * W2[e] @ act(W1[e] @ x[m] + b1[e]) + b2[e] ...
  * with e = topk_ids[m,j], slots with id -1 skipped (docs/MATH.md states it in full).
  * Rounding points: h in fp32, act(h) rounded to the activation dtype, y in fp32,
- * g*y and the sum over slots in fp32, one rounding of the final sum. */
+ * g*y and the sum over slots in fp32, one rounding of the final sum (none with out_f32). */
 typedef struct cpumoe_moe_problem {
   int64_t M;    /* tokens (>= 0) */
   int64_t K;    /* hidden size, multiple of 32, <= 2^30 */
@@ -153,6 +153,11 @@ typedef struct cpumoe_moe_problem {
   float residual_scale;
 
   void *out; /* [M, K] act_dtype; may alias x */
+  /* 1: out is float32 [M, K] instead and holds the fp32 sum before that one rounding (the
+   * sum over slots, plus the residual), so that partial results, e.g. one per rank of
+   * expert parallelism, can be added and rounded once; it must not overlap x or residual.
+   * 0 (the default): out is act_dtype. */
+  int out_f32;
 } cpumoe_moe_problem;
 
 /* Bytes of workspace cpumoe_fused_experts needs for this problem with the

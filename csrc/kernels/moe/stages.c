@@ -128,7 +128,10 @@ static void reduce_task(void *ctx, int64_t t) {
       r->widen(n, (const uint16_t *)p->residual + m * K + k0, res);
       r->ew->axpy(n, p->residual_scale, res, acc);
     }
-    r->narrow(n, acc, (uint16_t *)p->out + m * K + k0);
+    if (p->out_f32) /* the sum as it stands: the caller adds other partials, then rounds */
+      memcpy((float *)p->out + m * K + k0, acc, n * sizeof(float));
+    else
+      r->narrow(n, acc, (uint16_t *)p->out + m * K + k0);
   }
 }
 

@@ -18,6 +18,7 @@ static cpumoe_status check_tensor_bytes(const cpumoe_moe_problem *p,
     int64_t bytes;
   } tensors[] = {
       {"x and out [M, K]", cm_size_product(p->M, p->K, 2)},
+      {"out [M, K] float32", p->out_f32 ? cm_size_product(p->M, p->K, 4) : 0},
       {"topk_ids and topk_weights [M, topk]", cm_size_product(p->M, p->topk, 8)},
       {"w1 [E, 2N, K]", cm_size_product(p->E, 2 * p->N, traits->w1_row_bytes(p))},
       {"w1_scale", traits->scale_bytes ? traits->scale_bytes(p, 1) : 0},
@@ -31,6 +32,11 @@ static cpumoe_status check_tensor_bytes(const cpumoe_moe_problem *p,
                      tensors[i].name, (long long)p->M, (long long)p->K, (long long)p->N,
                      (long long)p->E, (long long)p->topk);
   return CPUMOE_OK;
+}
+
+static int overlaps(const void *a, size_t a_bytes, const void *b, size_t b_bytes) {
+  const uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
+  return a0 < b0 + b_bytes && b0 < a0 + a_bytes;
 }
 
 cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p) {
@@ -78,6 +84,16 @@ cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p) {
     return cm_fail(CPUMOE_EINVAL, "topk_weights must be float32, float64, bfloat16 or float16");
   if (p->M > 0 && (!p->x || !p->w1 || !p->w2 || !p->out))
     return cm_fail(CPUMOE_EINVAL, "x, w1, w2 and out must not be NULL");
+  if (p->out_f32 != 0 && p->out_f32 != 1)
+    return cm_fail(CPUMOE_EINVAL, "out_f32 must be 0 or 1, got %d", p->out_f32);
+  /* a 16-bit out may alias x row for row; an fp32 row spans two rows of x, which later
+   * chunks of tokens would still read */
+  if (p->out_f32 && p->M > 0) {
+    const size_t in_bytes = (size_t)(p->M * p->K) * 2, out_bytes = in_bytes * 2;
+    if (overlaps(p->out, out_bytes, p->x, in_bytes) ||
+        (p->residual && overlaps(p->out, out_bytes, p->residual, in_bytes)))
+      return cm_fail(CPUMOE_EINVAL, "a float32 out must not overlap x or residual");
+  }
   return CPUMOE_OK;
 }
 
