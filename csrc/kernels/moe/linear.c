@@ -184,46 +184,18 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *p, void *workspace, siz
     return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
                    l.total);
   char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
-  const int bf16 = p->act_dtype == CPUMOE_DTYPE_BF16;
-  const cm_elementwise_kernels *ew = &tier->elementwise;
   const cm_panel_packer *packer = &cm_panel_packers[gemm->a_format];
-  const cm_panel_packer *decode_packer = cm_decode_packer_of(gemm);
   const size_t block_panel_bytes =
       gemm->mr * CM_PANELS_PER_BLOCK * (size_t)p->K * packer->elem_bytes;
   cm_linear_run lr = {
-      .run =
-          {
-              .p = &mlp,
-              .ew = ew,
-              .gemm = gemm,
-              .traits = cm_scheme_traits_of(p->scheme),
-              .packer = packer,
-              .decode_packer = decode_packer,
-              .prepare_token = packer->prepare_token ? packer->prepare_token
-                               : decode_packer       ? decode_packer->prepare_token
-                                                     : NULL,
-              .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
-              .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
-              .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
-              .mr = gemm->mr,
-              .n_tiles1 = p->N / CM_NR,
-              .sorted = (const int32_t *)(ws + l.sorted),
-              .weights = (const float *)(ws + l.weights),
-              .panels = (const cm_panel *)(ws + l.panels),
-              .blocks = (const cm_block *)(ws + l.blocks),
-              .a = {ws + l.a1, NULL},
-              .a_scale = {(float *)(ws + l.as1), NULL},
-              .q_sums = {(int32_t *)(ws + l.qs1), NULL},
-              .sum_blocks = {l.sum_blocks[0], 0},
-              .xq = (uint8_t *)(ws + l.xq),
-              .xs = (float *)(ws + l.xs),
-          },
+      .run = cm_run_gemm1(&mlp, tier, gemm, &l, ws),
       .lp = p,
       .group_blocks = block_panel_bytes >= CM_LINEAR_GROUP_PANEL_BYTES
                           ? 1
                           : (int64_t)(CM_LINEAR_GROUP_PANEL_BYTES / block_panel_bytes),
   };
   cm_run *r = &lr.run;
+  r->n_tiles1 = p->N / CM_NR; /* the linear's output tiles (as_mlp's N is K) */
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
     r->m0 = m0;
     r->mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;

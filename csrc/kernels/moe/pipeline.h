@@ -169,6 +169,13 @@ cpumoe_status cm_validate_ids(const cpumoe_moe_problem *p);
 cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);
 cm_layout cm_plan_layout_gemm1(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);
 
+/* A run of p on the tier's config `gemm` with its first GEMM's fields set (moe/stages.c): the
+ * kernels and panel packers of the config, the activation dtype's conversions, and the
+ * routing and stage-1 regions of the workspace `ws` (64-byte aligned) planned in `l`. The
+ * chunk bounds and the second GEMM's fields are the caller's. */
+cm_run cm_run_gemm1(const cpumoe_moe_problem *p, const cm_tier_config *tier,
+                    const cm_gemm_config *gemm, const cm_layout *l, char *ws);
+
 /* moe/route.c: counting sort of the chunk's slots by expert, then panels and blocks;
  * sets r->n_blocks */
 void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights, cm_panel *panels,

@@ -159,25 +159,13 @@ size_t cpumoe_fused_experts_workspace_size(const cpumoe_moe_problem *p) {
   return cm_plan_layout(p, gemm_config(cm_active_config(), p)).total;
 }
 
-cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
-                                   size_t workspace_bytes, const cpumoe_runner *runner) {
-  cpumoe_status st = cm_validate_problem(p);
-  if (st != CPUMOE_OK) return st;
-  if (p->M == 0) return CPUMOE_OK;
-  st = cm_validate_ids(p);
-  if (st != CPUMOE_OK) return st;
-  const cm_tier_config *tier = cm_active_config();
-  const cm_gemm_config *gemm = gemm_config(tier, p);
-  const cm_layout l = cm_plan_layout(p, gemm);
-  if (!workspace || workspace_bytes < l.total)
-    return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
-                   l.total);
-  char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+cm_run cm_run_gemm1(const cpumoe_moe_problem *p, const cm_tier_config *tier,
+                    const cm_gemm_config *gemm, const cm_layout *l, char *ws) {
   const int bf16 = p->act_dtype == CPUMOE_DTYPE_BF16;
   const cm_elementwise_kernels *ew = &tier->elementwise;
   const cm_panel_packer *packer = &cm_panel_packers[gemm->a_format];
   const cm_panel_packer *decode_packer = cm_decode_packer_of(gemm);
-  cm_run r = {
+  return (cm_run){
       .p = p,
       .ew = ew,
       .gemm = gemm,
@@ -192,21 +180,43 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
       .mr = gemm->mr,
       .n_tiles1 = p->N / CM_NR,
-      .n_tiles2 = p->K / CM_NR,
-      .sorted = (const int32_t *)(ws + l.sorted),
-      .weights = (const float *)(ws + l.weights),
-      .panels = (const cm_panel *)(ws + l.panels),
-      .blocks = (const cm_block *)(ws + l.blocks),
-      .a = {ws + l.a1, ws + l.a2},
-      .a_scale = {(float *)(ws + l.as1), (float *)(ws + l.as2)},
-      .q_sums = {(int32_t *)(ws + l.qs1), (int32_t *)(ws + l.qs2)},
-      .sum_blocks = {l.sum_blocks[0], l.sum_blocks[1]},
-      .mid = (float *)(ws + l.mid),
-      .xq = (uint8_t *)(ws + l.xq),
-      .xs = (float *)(ws + l.xs),
-      .midq = (uint8_t *)(ws + l.midq),
-      .y = (float *)(ws + l.y),
+      .sorted = (const int32_t *)(ws + l->sorted),
+      .weights = (const float *)(ws + l->weights),
+      .panels = (const cm_panel *)(ws + l->panels),
+      .blocks = (const cm_block *)(ws + l->blocks),
+      .a = {ws + l->a1, NULL},
+      .a_scale = {(float *)(ws + l->as1), NULL},
+      .q_sums = {(int32_t *)(ws + l->qs1), NULL},
+      .sum_blocks = {l->sum_blocks[0], 0},
+      .xq = (uint8_t *)(ws + l->xq),
+      .xs = (float *)(ws + l->xs),
   };
+}
+
+cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
+                                   size_t workspace_bytes, const cpumoe_runner *runner) {
+  cpumoe_status st = cm_validate_problem(p);
+  if (st != CPUMOE_OK) return st;
+  if (p->M == 0) return CPUMOE_OK;
+  st = cm_validate_ids(p);
+  if (st != CPUMOE_OK) return st;
+  const cm_tier_config *tier = cm_active_config();
+  const cm_gemm_config *gemm = gemm_config(tier, p);
+  const cm_layout l = cm_plan_layout(p, gemm);
+  if (!workspace || workspace_bytes < l.total)
+    return cm_fail(CPUMOE_EWORKSPACE, "workspace of %zu bytes given, %zu needed", workspace_bytes,
+                   l.total);
+  char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+  cm_run r = cm_run_gemm1(p, tier, gemm, &l, ws);
+  const cm_elementwise_kernels *ew = r.ew;
+  r.n_tiles2 = p->K / CM_NR;
+  r.a[1] = ws + l.a2;
+  r.a_scale[1] = (float *)(ws + l.as2);
+  r.q_sums[1] = (int32_t *)(ws + l.qs2);
+  r.sum_blocks[1] = l.sum_blocks[1];
+  r.mid = (float *)(ws + l.mid);
+  r.midq = (uint8_t *)(ws + l.midq);
+  r.y = (float *)(ws + l.y);
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
     r.m0 = m0;
     r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;

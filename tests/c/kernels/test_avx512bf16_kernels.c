@@ -27,14 +27,8 @@
 
 #include "cpumoe/cpumoe.h"
 
-#ifdef CPUMOE_CHECK_PRECONDITIONS
-/* common/error.c's, for a build that does not link it (weak: a build that does wins) */
-__attribute__((weak)) void cm_precondition_failed(const char *condition, const char *file,
-                                                  int line) {
-  fprintf(stderr, "cpumoe: kernel precondition failed: %s (%s:%d)\n", condition, file, line);
-  abort();
-}
-#endif
+#define KERNEL_TEST_SEED 0x9e3779b97f4a7c15u
+#include "kernel_test.h" /* rnd, xmalloc, the precondition hook */
 
 enum { NR = 32, MR_BF16 = 12, MR_FP8 = 4, C_GUARD_ROWS = 1 };
 
@@ -46,23 +40,6 @@ static void check(int ok, const char *what, size_t mr, size_t kp, int accumulate
   if (++g_failures <= 20)
     fprintf(stderr, "FAIL: %s (mr %zu, k pairs %zu, accumulate %d, a_stride %zu)\n", what, mr, kp,
             accumulate, as);
-}
-
-static uint64_t g_rng = 0x9e3779b97f4a7c15u;
-static uint64_t rnd(void) { /* splitmix64 */
-  uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
-  return z ^ (z >> 31);
-}
-
-static void *xmalloc(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p) {
-    fprintf(stderr, "out of memory\n");
-    exit(2);
-  }
-  return p;
 }
 
 /* ---- data ------------------------------------------------------------------------------- */

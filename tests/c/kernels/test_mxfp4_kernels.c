@@ -29,14 +29,8 @@
 
 #include "cpumoe/cpumoe.h"
 
-#ifdef CPUMOE_CHECK_PRECONDITIONS
-/* common/error.c's, for a build that does not link it (weak: a build that does wins) */
-__attribute__((weak)) void cm_precondition_failed(const char *condition, const char *file,
-                                                  int line) {
-  fprintf(stderr, "cpumoe: kernel precondition failed: %s (%s:%d)\n", condition, file, line);
-  abort();
-}
-#endif
+#define KERNEL_TEST_SEED 0x2545f4914f6cdd1du
+#include "kernel_test.h" /* rnd, xmalloc, the precondition hook */
 
 enum { NR = 32, GROUP = 32, SLACK_ROWS = 16 };
 
@@ -46,23 +40,6 @@ static void check(int ok, const char *what, const char *tier, size_t mr, size_t 
   g_checks++;
   if (ok) return;
   if (++g_failures <= 20) fprintf(stderr, "FAIL: %s [%s] (mr %zu, k %zu)\n", what, tier, mr, k);
-}
-
-static uint64_t g_rng = 0x2545f4914f6cdd1du;
-static uint64_t rnd(void) { /* splitmix64 */
-  uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
-  return z ^ (z >> 31);
-}
-
-static void *xmalloc(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p) {
-    fprintf(stderr, "out of memory\n");
-    exit(2);
-  }
-  return p;
 }
 
 /* ---- the definition ------------------------------------------------------------------------ */

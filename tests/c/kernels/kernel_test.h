@@ -1,0 +1,43 @@
+/*
+ * What the single-kernel test programs of tests/c/kernels/ share: the precondition hook of a
+ * build that does not link common/error.c, a seeded splitmix64 generator and a checked
+ * malloc. Define KERNEL_TEST_SEED (the generator's start) before including it.
+ */
+#ifndef CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
+#define CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#ifndef KERNEL_TEST_SEED
+#error "define KERNEL_TEST_SEED before including kernel_test.h"
+#endif
+
+#ifdef CPUMOE_CHECK_PRECONDITIONS
+/* common/error.c's, for a build that does not link it (weak: a build that does wins) */
+__attribute__((weak)) void cm_precondition_failed(const char *condition, const char *file,
+                                                  int line) {
+  fprintf(stderr, "cpumoe: kernel precondition failed: %s (%s:%d)\n", condition, file, line);
+  abort();
+}
+#endif
+
+static uint64_t g_rng = KERNEL_TEST_SEED;
+static uint64_t rnd(void) { /* splitmix64 */
+  uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+
+static void *xmalloc(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "out of memory\n");
+    exit(2);
+  }
+  return p;
+}
+
+#endif /* CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H */
