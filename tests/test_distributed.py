@@ -35,9 +35,11 @@ from cpumoe import reference
 from cpumoe_testing import (
     DTYPES,
     INT4,
+    MXFP4,
     Int4Weights,
     assert_elementwise_close,
     make_bias,
+    make_mxfp4_weights,
     make_routing,
     make_scheme_weights,
     pack,
@@ -46,7 +48,7 @@ from cpumoe_testing import (
     use_isa,
 )
 
-SCHEMES = {"bf16": 0, "int8": 1, "fp8": 2, "int4": INT4}
+SCHEMES = {"bf16": 0, "int8": 1, "fp8": 2, "int4": INT4, "mxfp4": MXFP4}
 E, N, K, TOPK, M = 8, 64, 128, 3, 37
 FACTOR = 2.5  # a routed scaling factor for the shared-expert cases
 
@@ -63,6 +65,11 @@ def make_layer(scheme: str, dtype: torch.dtype, experts: int = E, n: int = N, k:
     if method == INT4:
         w = Int4Weights(experts, n, k, 32)
         w1, w2, kw = w.p1[0], w.p2[0], w.op_kwargs()
+    elif method == MXFP4:
+        c1, s1, c2, s2 = make_mxfp4_weights(experts, n, k)
+        w1, w2 = pack(c1), pack(c2)
+        kw = dict(moe_comp_method=MXFP4, w1_scale=cpumoe.convert_scale_packed(s1),
+                  w2_scale=cpumoe.convert_scale_packed(s2))
     else:
         u1, u2, kw = make_scheme_weights(method, experts, n, k, dtype, block=(32, 64))
         w1, w2 = pack(u1), pack(u2)
