@@ -14,7 +14,8 @@
   is missing): the same check for every case (every scheme, dtype and routing kind, the
   variants, one token, no token, a fused shared expert) on the best tier and the scalar
   one, every rank the same bits, the shared expert computed on every rank after the
-  all-reduce; the run is stopped if it hangs.
+  all-reduce; the run is stopped if it hangs;
+* the demo (python -m cpumoe.distributed.demo), small, passes its own checks.
 
 Run as a script (``--worker DIR``) this file is one rank of those processes.
 """
@@ -504,6 +505,25 @@ def test_processes(world, tmp_path):
                             <= slack + (ulp(got) + ulp(want)) / 2).all()
                     assert torch.equal(got, want) or not torch.equal(out, single)
     assert caught > 0, "partial sums rounded per rank passed the check"
+
+
+@pytest.mark.skipif(gloo_missing() is not None, reason=str(gloo_missing()))
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4"])
+def test_demo_runs_and_checks(scheme):
+    """The README's example, small: it starts its processes, its checks pass (exit 0, an
+    'ok' line per M) and it prints its timing table with every column filled."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "cpumoe.distributed.demo", "--world-size", "2", "--scheme",
+           scheme, "--E", "8", "--topk", "2", "--K", "256", "--N", "128", "--tokens", "1,9",
+           "--repeats", "2", "--timeout", str(WORKER_TIMEOUT)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
+                         timeout=2 * WORKER_TIMEOUT)
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    lines = run.stdout.splitlines()
+    assert sum(line.startswith("check M=") and line.endswith("ok") for line in lines) == 2
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith(("| 1 |", "| 9 |"))]
+    assert len(rows) == 2 and all(float(cell) >= 0 for row in rows for cell in row), run.stdout
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
