@@ -1,8 +1,8 @@
 """Packed weights are allocated on transparent huge pages where Linux offers them.
 
-The packers (and ``_C.new_weight_buffer``, which the bench's bandwidth probe streams) ask
-the kernel with ``madvise(MADV_HUGEPAGE)`` for the 2 MiB-aligned interior of the new tensor,
-before the packer writes it. Whether the kernel then *gives* huge pages depends on its
+The packers (and ``_C.new_weight_buffer``, which the bench's bandwidth probe streams and its
+weight copies live in) ask the kernel with ``madvise(MADV_HUGEPAGE)`` for the 2 MiB-aligned
+interior of the new tensor, before the packer writes it. Whether the kernel then *gives* huge pages depends on its
 settings and on fragmentation, so the test checks what is deterministic: the mapping that
 holds the packed bytes carries the advice (``hg`` in its ``VmFlags`` in /proc/self/smaps),
 and the packed bytes are the same as without it (test_packing covers their values).
@@ -77,3 +77,21 @@ def test_weight_buffer():
     assert _C.new_weight_buffer(0).numel() == 0
     with pytest.raises(RuntimeError, match="nbytes must be >= 0"):
         _C.new_weight_buffer(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32, torch.uint8])
+def test_bench_weight_copies_advised(dtype):
+    """The bench's weight layers (and the dense bench's copies) are weight_copy()s: the same
+    values, dtype and shape, in memory advised as packed weights and the read probe's buffer
+    are (a clone() would be on torch's 4 KiB pages)."""
+    from cpumoe.bench.machine import weight_copy
+
+    t = (torch.randn(3, 1024, 2048) * 50).to(dtype)  # 6-24 MiB: huge pages inside
+    c = weight_copy(t)
+    assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t)
+    assert c.data_ptr() != t.data_ptr()
+    assert "hg" in vm_flags(interior(c))
+    scalar = torch.tensor(2.5)  # a per-tensor scale
+    assert torch.equal(weight_copy(scalar), scalar) and weight_copy(scalar).shape == ()
+    strided = t.transpose(1, 2)
+    assert torch.equal(weight_copy(strided), strided)

@@ -61,6 +61,7 @@ from .machine import (
     last_level_cache_bytes,
     machine_info,
     peak_loop,
+    weight_copy,
 )
 from .peers.vllm_linear import vllm_linear_call, vllm_linear_unavailable
 from .schemes import SCHEMES as MOE_SCHEMES
@@ -144,7 +145,7 @@ def make_weights(scheme: str, dtype: torch.dtype, K: int, N: int, copies: int,
             packed = torch._convert_weight_to_int4pack_for_cpu(nib, 2)
             sz = torch.stack([scale, (8 - zero) * scale], dim=-1).transpose(0, 1)
             torch_args = (packed, INT4_GROUP, sz.to(dtype).contiguous())
-    args = [first] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in first)
+    args = [first] + [tuple(weight_copy(a) if isinstance(a, torch.Tensor) else a for a in first)
                       for _ in range(copies - 1)]
     return LinearWeights(scheme, dtype, K, N, op.default, args, dense, ref, _nbytes(*first),
                          torch_args)
@@ -181,7 +182,7 @@ def _activation_tolerance(scheme: str) -> float:
 
 
 def _copies_of(t: torch.Tensor, copies: int) -> List[torch.Tensor]:
-    return [t] + [t.clone() for _ in range(copies - 1)]
+    return [t] + [weight_copy(t) for _ in range(copies - 1)]
 
 
 def _eager(w: LinearWeights, copies: int):

@@ -186,6 +186,18 @@ def default_weight_layers(layer_bytes: int) -> int:
     return int(max(1, min(layers, MAX_WEIGHT_LAYERS)))
 
 
+def weight_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in memory allocated as cpumoe's packers allocate packed weights
+    (``_C.new_weight_buffer``: transparent huge pages where the OS gives them), as the read
+    probe's buffer is. A ``clone()`` comes from torch's allocator, on 4 KiB pages unless
+    THP is ``always``, so calls cycling through cloned weights paid TLB misses that neither
+    a packed model nor the probe pays (measured: docs/PERFORMANCE-HISTORY.md)."""
+    if not t.is_contiguous() or t.numel() == 0:
+        return t.clone()
+    buf = _C.new_weight_buffer(t.numel() * t.element_size())
+    return buf.view(t.dtype).view(t.shape).copy_(t)
+
+
 def _read_bandwidth_samples(buffer_bytes: Optional[int] = None, runs: int = 5,
                             passes: int = 2) -> dict:
     """Streams a buffer of ones with ``_C.probe_read`` on torch's threads: one untimed

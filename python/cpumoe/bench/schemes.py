@@ -26,6 +26,7 @@ from ..quant import (
 )
 from ..reference import dequantize_int4, dequantize_mxfp4, unpack_int4_checkpoint
 from .baselines import _rel_diff, baseline_moe, int4pack_unavailable
+from .machine import weight_copy
 from .shapes import DTYPES, Shape, _dtype_name, make_routings
 
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 style weight_block_size of the fp8 scheme
@@ -300,10 +301,11 @@ class ExpertWeights:
 
     def layers(self, count: int) -> List[tuple]:
         """``count`` copies of cpumoe's inputs as ``(w1p, w2p, kwargs)``: this object's own
-        tensors first, then clones (made once and kept, see :func:`default_weight_layers`)."""
+        tensors first, then copies on the packers' huge pages (:func:`weight_copy`; made once
+        and kept, see :func:`default_weight_layers`)."""
         while len(self._layers) < count:
-            self._layers.append((self.w1p.clone(), self.w2p.clone(),
-                                 {k: v.clone() if isinstance(v, torch.Tensor) else v
+            self._layers.append((weight_copy(self.w1p), weight_copy(self.w2p),
+                                 {k: weight_copy(v) if isinstance(v, torch.Tensor) else v
                                   for k, v in self.kwargs.items()}))
         del self._layers[max(count, 1):]
         return list(self._layers)
