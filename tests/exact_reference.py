@@ -9,7 +9,7 @@ class's implementation choice: a tier of another class may differ within the sch
 tolerance (CROSS_CLASS_TOLERANCE in cpumoe_testing.py) and still meet the spec.
 
 * ``kernel_expf`` / ``kernel_silu_and_mul`` / ``kernel_swiglu_clamp`` /
-  ``kernel_gelu`` / ``kernel_gelu_and_mul`` / ``kernel_activate`` and the
+  ``kernel_silu_clamp`` / ``kernel_gelu`` / ``kernel_gelu_and_mul`` / ``kernel_activate`` and the
   ``kernel_activations`` context: the activations of csrc/kernels/common/numeric.h;
 * ``kernel_sigmoid`` / ``kernel_sqrtsoftplus`` and the ``kernel_gating`` context: the
   routing scores of numeric.h, with which reference.route gives the routing ops' bits;
@@ -66,20 +66,45 @@ def kernel_expf(x: torch.Tensor) -> torch.Tensor:
     return p * torch.pow(_f32(2.0), n)
 
 
+def kernel_silu(g: torch.Tensor) -> torch.Tensor:
+    """cm_siluf: gate / (1 + exp(-gate))."""
+    g = g.float()
+    return g / (_f32(1.0) + kernel_expf(-g))
+
+
 def kernel_silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     """cm_siluf on the gate half times the up half: (gate / (1 + exp(-gate))) * up."""
     n = h.shape[-1] // 2
-    g, u = h[..., :n].float(), h[..., n:].float()
-    return (g / (_f32(1.0) + kernel_expf(-g))) * u
+    return kernel_silu(h[..., :n]) * h[..., n:].float()
+
+
+def _kernel_min(lim: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """cm_minf(lim, x) = lim < x ? lim : x: x when x is NaN."""
+    return torch.where(lim < x, lim, x)
+
+
+def _kernel_clamp_sym(x: torch.Tensor, lim: torch.Tensor) -> torch.Tensor:
+    """cm_clamp_symf: cm_maxf(-lim, cm_minf(lim, x)), NaN kept."""
+    x = _kernel_min(lim, x)
+    return torch.where(-lim > x, -lim, x)
 
 
 def kernel_swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """cm_swiglu_clampf on interleaved (gate, up) columns."""
     lim = _f32(limit)
-    g = torch.minimum(h[..., 0::2].float(), lim)
-    u = torch.maximum(torch.minimum(h[..., 1::2].float(), lim), -lim)
+    g = _kernel_min(lim, h[..., 0::2].float())
+    u = _kernel_clamp_sym(h[..., 1::2].float(), lim)
     s = _f32(1.0) / (_f32(1.0) + kernel_expf(-(g * _f32(alpha))))
     return (g * s) * (u + _f32(1.0))
+
+
+def kernel_silu_clamp(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """cm_silu_clampf on the gate half and the up half: silu(min(gate, limit)) *
+    clamp(up, -limit, limit)."""
+    n = h.shape[-1] // 2
+    lim = _f32(limit)
+    g = _kernel_min(lim, h[..., :n].float())
+    return kernel_silu(g) * _kernel_clamp_sym(h[..., n:].float(), lim)
 
 
 # cm_geluf of numeric.h: x Phi(x) from erfc(|x| / sqrt2) = t exp(P(t) - x^2 / 2),
@@ -120,6 +145,8 @@ def kernel_activate(h, alpha=None, limit=None, activation=None) -> torch.Tensor:
     """reference.activate with the kernels' activations."""
     if alpha is not None:
         return kernel_swiglu_clamp(h, alpha, limit)
+    if limit is not None:
+        return kernel_silu_clamp(h, limit)
     return kernel_gelu_and_mul(h) if activation == "gelu" else kernel_silu_and_mul(h)
 
 
@@ -183,13 +210,16 @@ def kernel_gating():
 @contextlib.contextmanager
 def kernel_activations():
     """Within the block, reference.py computes its activations as the kernels do."""
-    saved = reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul
-    reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul = (
-        kernel_silu_and_mul, kernel_swiglu_clamp, kernel_gelu_and_mul)
+    names = ("silu_and_mul", "swiglu_clamp", "silu_clamp", "gelu_and_mul")
+    saved = [getattr(reference, n) for n in names]
+    for n, fn in zip(names, (kernel_silu_and_mul, kernel_swiglu_clamp, kernel_silu_clamp,
+                             kernel_gelu_and_mul)):
+        setattr(reference, n, fn)
     try:
         yield
     finally:
-        reference.silu_and_mul, reference.swiglu_clamp, reference.gelu_and_mul = saved
+        for n, fn in zip(names, saved):
+            setattr(reference, n, fn)
 
 
 def slot_order_reference(x, tw, ti, expert_fn) -> torch.Tensor:

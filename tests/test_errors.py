@@ -294,10 +294,13 @@ def test_bias_rank_and_contiguity(which):
 
 
 def test_alpha_without_limit():
-    with raises(r"alpha and limit must be given together.*got only alpha"):
+    """alpha alone is an error; limit alone is DeepSeek-V4's clamped silu (tested in
+    test_activation.py), which needs a limit >= 0."""
+    with raises(r"alpha needs limit .*got only alpha"):
         fused(alpha=1.702)
-    with raises(r"alpha and limit must be given together.*got only limit"):
-        fused(limit=7.0)
+    assert fused(limit=7.0).shape == (M, K)
+    with raises(r"limit must be >= 0 \(not NaN\) for the clamped silu"):
+        fused(limit=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -909,9 +912,11 @@ CATALOGUE = [
     _f("w1_bias", "not contiguous", **dict(WITH_BIAS, w1_bias=lambda a: _transposed(B1()))),
     _f("w2_bias", "shape other than [E, K]", **dict(WITH_BIAS, w2_bias=torch.zeros(E, N))),
     _f("alpha", "without limit", alpha=1.702),
-    _f("limit", "without alpha", limit=7.0),
+    _f("limit", "NaN, without alpha (the clamped silu)", limit=float("nan")),
+    _f("limit", "negative, without alpha (the clamped silu)", limit=-1.0),
     _f("activation", "a name other than silu or gelu", activation="relu"),
     _f("activation", "gelu with alpha and limit", activation="gelu", alpha=1.702, limit=7.0),
+    _f("activation", "gelu with limit alone", activation="gelu", limit=7.0),
     _f("w1_scale", "given for moe_comp_method 0", w1_scale=torch.ones(E, 2 * N, 1)),
     _f("w2_scale", "given for moe_comp_method 0", w2_scale=torch.ones(E, K, 1)),
     _f("w1_zero", "given for moe_comp_method 0", w1_zero=torch.zeros(E, 2 * N, 1)),
@@ -1021,7 +1026,7 @@ CATALOGUE = [
     _s("w2_scale", "shape other than [K, N / 32] (use_mxfp4, .mxfp4 overload; here [K / 2, "
        "2 N / 32])", 4, w2_scale=torch.zeros(K // 2, 2 * N // 32, dtype=torch.uint8)),
     _s("alpha", "without limit (.mxfp4 overload)", alpha=1.702),
-    _s("limit", "without alpha (.mxfp4 overload)", limit=7.0),
+    _s("limit", "NaN, without alpha (.mxfp4 overload)", limit=float("nan")),
     # -- convert_weight_packed ------------------------------------------------------------
     _p("weight", "not 2-D or 3-D", lambda: torch.zeros(64, dtype=BF16)),
     _p("weight", "float32 (or another dtype without a packed layout)",

@@ -5,7 +5,8 @@
   ``hidden_states``); ``a1_scale`` and a bad ``out`` rejected;
 * ``shared_expert_cpu.mxfp4`` (SGLang's DeepSeek-V4 schema): without its new arguments the
   same bits as the default overload; ``alpha``/``limit`` give the clamped swiglu, the same
-  bits as fused_experts with one expert; ``use_mxfp4`` goes through the scheme table.
+  bits as fused_experts with one expert (``limit`` alone, the clamped silu:
+  test_activation.py); ``use_mxfp4`` goes through the scheme table.
 
 Both under opcheck and torch.compile. (Their SGLang/vLLM namespaces: test_switch.py.)"""
 
@@ -292,12 +293,11 @@ def test_shared_rejects_several_flags(flags, names):
         shared_mxfp4_op(x, pack(w1), pack(w2), **flags)
 
 
-@pytest.mark.parametrize("given", ["alpha", "limit"])
-def test_shared_alpha_and_limit_together(given):
+def test_shared_alpha_needs_limit():
+    """alpha alone is an error (limit alone is the clamped silu: test_activation.py)."""
     x, w1, w2, _ = shared_args("bf16")
-    with raises(rf"shared_expert_cpu: alpha and limit must be given together .*got only "
-                rf"{given}"):
-        shared_mxfp4_op(x, pack(w1), pack(w2), **{given: 1.0})
+    with raises(r"shared_expert_cpu: alpha needs limit .*got only alpha"):
+        shared_mxfp4_op(x, pack(w1), pack(w2), alpha=1.0)
 
 
 @pytest.mark.parametrize("act", ["swiglu", "silu"])

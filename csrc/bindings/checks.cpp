@@ -66,21 +66,24 @@ void check_unused(const std::optional<at::Tensor> &tensor, const char *name, con
 cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
                                    std::optional<double> alpha, std::optional<double> limit,
                                    const char *op) {
-  TORCH_CHECK(alpha.has_value() == limit.has_value(), op,
-              ": alpha and limit must be given together (they select the clamped swiglu "
-              "activation); got only ",
-              alpha.has_value() ? "alpha" : "limit");
+  TORCH_CHECK(!alpha.has_value() || limit.has_value(), op,
+              ": alpha needs limit (alpha and limit select the clamped swiglu activation, limit "
+              "alone the clamped silu); got only alpha");
   const std::string name = activation.has_value() ? std::string(*activation) : "silu";
   TORCH_CHECK(name == "silu" || name == "gelu", op, ": Unsupported activation '", name,
               "' (expected 'silu' or 'gelu')");
-  if (alpha.has_value()) {
-    TORCH_CHECK(name == "silu", op,
-                ": alpha and limit select the clamped swiglu, which replaces the activation; "
-                "activation must be None or 'silu' with them, got '",
-                name, "'");
-    return CPUMOE_ACT_SWIGLU_CLAMP;
-  }
-  return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
+  if (!limit.has_value()) return name == "gelu" ? CPUMOE_ACT_GELU_MUL : CPUMOE_ACT_SILU_MUL;
+  const char *clamped = alpha.has_value() ? "alpha and limit select the clamped swiglu"
+                                          : "limit without alpha selects the clamped silu";
+  TORCH_CHECK(name == "silu", op, ": ", clamped,
+              ", which replaces the activation; activation must be None or 'silu' with ",
+              alpha.has_value() ? "them" : "it", ", got '", name, "'");
+  if (alpha.has_value()) return CPUMOE_ACT_SWIGLU_CLAMP;
+  // the C core checks this too; here it also holds for M == 0, which never reaches the core
+  TORCH_CHECK(static_cast<float>(*limit) >= 0.0f, op,
+              ": limit must be >= 0 (not NaN) for the clamped silu (limit without alpha), got ",
+              *limit);
+  return CPUMOE_ACT_SILU_CLAMP;
 }
 
 }  // namespace cpumoe::bindings

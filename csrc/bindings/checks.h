@@ -33,9 +33,10 @@ cpumoe_dtype activation_dtype(const at::Tensor &hidden_states, const char *op);
 // The size rules of the C core's MLP: K > 0, K and N multiples of 32.
 void check_mlp_sizes(int64_t K, int64_t N, const char *op);
 
-// The activation of fused_experts_cpu and shared_expert_cpu: alpha and limit (both or
-// neither) select the clamped swiglu; otherwise `activation` names the function applied to
-// the gate half, "silu" (also for None) or "gelu".
+// The activation of fused_experts_cpu and shared_expert_cpu: alpha and limit select the
+// clamped swiglu (GPT-OSS), limit alone the clamped silu (DeepSeek-V4; limit >= 0), alpha
+// alone is an error; otherwise `activation` names the function applied to the gate half,
+// "silu" (also for None) or "gelu". The clamped ones take only None or "silu".
 cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
                                    std::optional<double> alpha, std::optional<double> limit,
                                    const char *op);

@@ -22,7 +22,8 @@ at::Tensor fused_experts_cpu(const at::Tensor &hidden_states, const at::Tensor &
                              const std::optional<at::Tensor> &w2_zero,
                              at::OptionalIntArrayRef block_size, bool is_vnni);
 
-// fused_experts_cpu.bias: plus per-expert biases and the clamped swiglu (alpha, limit).
+// fused_experts_cpu.bias: plus per-expert biases and the clamped activations (alpha and limit:
+// swiglu; limit alone: silu).
 at::Tensor fused_experts_cpu_bias(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const at::Tensor &topk_weights, const at::Tensor &topk_ids, bool inplace,
@@ -75,7 +76,7 @@ at::Tensor shared_expert_cpu(
     const std::optional<at::Tensor> &w2_scale, at::OptionalIntArrayRef block_size, bool is_vnni);
 
 // shared_expert_cpu.mxfp4: SGLang's newer schema (DeepSeek-V4): plus use_mxfp4 and the
-// clamped swiglu (alpha, limit).
+// clamped activations (alpha and limit: swiglu; limit alone: silu).
 at::Tensor shared_expert_cpu_mxfp4(const at::Tensor &hidden_states, const at::Tensor &w1,
                                    const at::Tensor &w2,
                                    const std::optional<at::Tensor> &fused_experts_out,

@@ -136,7 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 ops done by `iterations` of the bf16 peak loop per thread (AMX on amx)");
   m.def("activation_values", &rt::activation_values, pybind11::arg("name"), pybind11::arg("gate"),
         pybind11::arg("up"), pybind11::arg("alpha") = 0.0, pybind11::arg("limit") = 0.0,
-        "the active tier's activation kernel on fp32 gate/up: silu, gelu or swiglu (tests)");
+        "the active tier's activation kernel on fp32 gate/up: silu, gelu, swiglu or "
+        "silu_clamp (tests)");
   m.def("runner_threads", &rt::runner_threads,
         "distinct OS threads that torch's runner gives `workers` workers");
 }

@@ -162,21 +162,23 @@ double probe_read(const at::Tensor &buffer, int64_t passes) {
 }
 
 // The active tier's activation kernel on fp32 gate/up values (cpumoe_activation_values):
-// "silu", "gelu" or "swiglu" (with alpha and limit).
+// "silu", "gelu", "swiglu" (with alpha and limit) or "silu_clamp" (with limit).
 at::Tensor activation_values(const std::string &name, const at::Tensor &gate, const at::Tensor &up,
                              double alpha, double limit) {
   const char *op = "activation_values";
-  TORCH_CHECK(name == "silu" || name == "gelu" || name == "swiglu", op, ": unknown activation '",
-              name, "' (expected 'silu', 'gelu' or 'swiglu')");
+  TORCH_CHECK(name == "silu" || name == "gelu" || name == "swiglu" || name == "silu_clamp", op,
+              ": unknown activation '", name,
+              "' (expected 'silu', 'gelu', 'swiglu' or 'silu_clamp')");
   TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == at::kFloat && gate.dim() == 1 &&
                   gate.sizes() == up.sizes() && up.device().is_cpu() &&
                   up.scalar_type() == at::kFloat,
               op, ": gate and up must be 1-D float32 CPU tensors of one shape");
   const at::Tensor g = gate.contiguous(), u = up.contiguous();
   at::Tensor out = at::empty_like(g);
-  const cpumoe_activation act = name == "silu"   ? CPUMOE_ACT_SILU_MUL
-                                : name == "gelu" ? CPUMOE_ACT_GELU_MUL
-                                                 : CPUMOE_ACT_SWIGLU_CLAMP;
+  const cpumoe_activation act = name == "silu"     ? CPUMOE_ACT_SILU_MUL
+                                : name == "gelu"   ? CPUMOE_ACT_GELU_MUL
+                                : name == "swiglu" ? CPUMOE_ACT_SWIGLU_CLAMP
+                                                   : CPUMOE_ACT_SILU_CLAMP;
   check_status(cpumoe_activation_values(act, static_cast<float>(alpha), static_cast<float>(limit),
                                         static_cast<size_t>(g.numel()), g.data_ptr<float>(),
                                         u.data_ptr<float>(), out.data_ptr<float>()),

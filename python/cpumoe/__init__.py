@@ -3,8 +3,8 @@
 Importing the package registers the ops under ``torch.ops.cpumoe``:
 
 * ``fused_experts_cpu`` (SGLang's 13-argument schema; ``.bias`` overload with the
-  17-argument schema: biases, GPT-OSS ``alpha``/``limit``; ``.activation`` with the
-  18-argument one; ``.out``, vLLM's out-variant),
+  17-argument schema: biases, GPT-OSS ``alpha``/``limit`` or DeepSeek-V4's ``limit`` alone;
+  ``.activation`` with the 18-argument one; ``.out``, vLLM's out-variant),
 * ``fused_experts_fp32_cpu`` (cpumoe only: the float32 sum before the one rounding, for
   expert parallelism: :mod:`cpumoe.distributed`),
 * ``shared_expert_cpu`` (and ``.mxfp4``, SGLang's newer schema: ``use_mxfp4``,

@@ -103,8 +103,8 @@ def fused_experts(
 
     Args:
         hidden_states: ``[M, K]`` bfloat16 or float16, contiguous.
-        w1: ``[E, 2N, K]`` gate rows then up rows (interleaved gate/up when
-            ``alpha``/``limit`` are given), in the dtype of ``hidden_states``.
+        w1: ``[E, 2N, K]`` gate rows then up rows (interleaved gate/up when ``alpha``
+            and ``limit`` are given), in the dtype of ``hidden_states``.
         w2: ``[E, K, N]``.
         topk_weights: ``[M, topk]``, any float dtype.
         topk_ids: ``[M, topk]``, int32 or int64, values in ``[0, E)`` or ``-1``.
@@ -118,10 +118,12 @@ def fused_experts(
         w1_zero, w2_zero: INT4 only: the zero points from
             :func:`convert_weight_packed_scale_zp` (w1/w2 are then its packed weights).
         w1_bias, w2_bias: optional float32 ``[E, 2N]`` and ``[E, K]`` (both or neither).
-        alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither).
+        alpha, limit: both select GPT-OSS's clamped SwiGLU; ``limit`` alone (``>= 0``)
+            DeepSeek-V4's clamped SiLU·mul, ``silu(min(gate, limit)) * clamp(up, -limit,
+            limit)`` on gate rows then up rows; ``alpha`` alone is a RuntimeError.
         activation: without ``alpha``/``limit``, the function of the gate half: ``"silu"``
             (None means this) or ``"gelu"`` (the erf form, ``x * Phi(x)``); any other name
-            is a RuntimeError.
+            is a RuntimeError, and so is ``"gelu"`` with ``limit``.
         is_vnni: True when ``w1``/``w2`` come from :func:`convert_weight_packed`;
             False packs them on every call (slow, for convenience). It concerns the
             weights only: MXFP4 scales always come from :func:`convert_scale_packed`,
@@ -242,7 +244,8 @@ def shared_expert(
 ) -> torch.Tensor:
     """Dense shared expert (DeepSeek style):
     ``out = w2 @ act(w1 @ x) + routed_scaling_factor * fused_experts_out``,
-    ``act`` being SiLU(gate) * up, with ``[gate; up] = w1 @ x``; float32 inside, one rounding.
+    ``act`` being SiLU(gate) * up, with ``[gate; up] = w1 @ x`` (or a clamped form: ``alpha``,
+    ``limit`` below); float32 inside, one rounding.
 
     Args:
         hidden_states: ``[M, K]`` bfloat16 or float16.
@@ -254,8 +257,9 @@ def shared_expert(
             ``block_size``, or one scale per matrix (shape ``[]``) with ``block_size=None``;
             MXFP4: uint8 codes ``w1 [2N, K/2]``, ``w2 [K, N/2]`` and e8m0 scales
             ``[2N, K/32]``, ``[K, N/32]`` from :func:`convert_scale_packed`.
-        alpha, limit: select GPT-OSS's clamped SwiGLU (both or neither; ``w1`` rows then
-            interleave gate and up), as in :func:`fused_experts`.
+        alpha, limit: both select GPT-OSS's clamped SwiGLU (``w1`` rows then interleave
+            gate and up), ``limit`` alone DeepSeek-V4's clamped SiLU·mul (gate rows then up
+            rows), as in :func:`fused_experts`.
     """
     block = list(block_size) if block_size is not None else None
     traced_inplace = inplace and _tracing()

@@ -50,6 +50,17 @@ def swiglu_clamp(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
+def silu_clamp(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4 activation: `[gate; up]` halves along the last dim (not interleaved);
+    gate is clamped above at `limit`, up to [-limit, limit]; out = silu(gate) * up. No
+    alpha. ``limit`` must be >= 0 (+inf clamps nothing); a NaN gate or up stays NaN, as
+    torch.clamp passes NaN on."""
+    n = h.shape[-1] // 2
+    gate = h[..., :n].clamp(max=limit)
+    up = h[..., n:].clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 # the values of fused_experts_cpu's `activation` (None is "silu")
 ACTIVATIONS = ("silu", "gelu")
 
@@ -57,12 +68,22 @@ ACTIVATIONS = ("silu", "gelu")
 def activate(h: torch.Tensor, alpha: Optional[float] = None, limit: Optional[float] = None,
              activation: Optional[str] = None) -> torch.Tensor:
     """The activation of the first GEMM's output h [T, 2N] -> [T, N]: GPT-OSS's clamped
-    SwiGLU when ``alpha``/``limit`` are given, else ``activation`` ("silu" or "gelu") of
-    the gate half times the up half."""
-    if alpha is not None:
-        return swiglu_clamp(h, alpha, limit)
+    SwiGLU when ``alpha`` and ``limit`` are given, DeepSeek-V4's clamped SiLU·mul when only
+    ``limit`` is, else ``activation`` ("silu" or "gelu") of the gate half times the up
+    half. The clamped ones replace the activation: ``activation`` must then be None or
+    "silu"."""
     if activation not in (None,) + ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}")
+    if alpha is not None and limit is None:
+        raise ValueError("alpha needs limit")
+    if limit is not None and activation == "gelu":
+        raise ValueError("limit selects a clamped activation; activation must be None or silu")
+    if alpha is not None:
+        return swiglu_clamp(h, alpha, limit)
+    if limit is not None:
+        if not limit >= 0:
+            raise ValueError(f"limit must be >= 0 (not NaN), got {limit}")
+        return silu_clamp(h, limit)
     return gelu_and_mul(h) if activation == "gelu" else silu_and_mul(h)
 
 
@@ -465,7 +486,8 @@ def shared_expert(
     w2 [K, N] (16-bit, int8 with scales [2N(, 1)], [K(, 1)], fp8 with block scales, or MXFP4
     codes [2N, K/2], [K, N/2] with unpacked e8m0 scales [2N, K/32], [K, N/32]):
     mlp(x) + routed_scaling_factor * fused_experts_out, in float32, rounded once; ``alpha``
-    and ``limit`` select the clamped swiglu as in :func:`fused_experts`."""
+    and ``limit`` select the clamped swiglu, ``limit`` alone the clamped silu, as in
+    :func:`fused_experts`."""
     if use_mxfp4:
         y = expert_mlp(hidden_states, dequantize_mxfp4(w1, w1_scale),
                        dequantize_mxfp4(w2, w2_scale), alpha=alpha, limit=limit)

@@ -7,7 +7,8 @@
  *                  MXFP4
  *                  against a double-precision reference (tolerance relative to the output's
  *                  scale):
- *                  bias, silu, gelu and clamped swiglu, residual, int32/int64 topk_ids with -1
+ *                  bias, silu, gelu, clamped swiglu and clamped silu, residual, int32/int64
+ *                  topk_ids with -1
  *                  slots, f32/f64/bf16/f16 topk weights, NULL ids/weights, out aliasing x,
  *                  M = 0, 1 and more than one 1024-token chunk, K and N multiples of 32 but
  *                  not of 64; on every ISA tier the CPU runs (bit-identical to each other)
@@ -15,6 +16,8 @@
  *                  exactly the size asked for (malloc'd, so ASan sees any overrun),
  *                  aligned and not, filled with garbage; with out_f32, the fp32 sum
  *                  rounded once equals the 16-bit output bit for bit.
+ *   activations    cpumoe_activation_values: every activation on every tier bit for bit
+ *                  against scalar; the clamped silu against silu_mul and a restatement.
  *   packers        VNNI-2 (16-bit, 8-bit), VNNI-4 int8 + compensation, INT4 from AWQ and
  *                  GPTQ checkpoints, byte for byte against the formulas of docs/FORMATS.md.
  *   errors         each rejected input returns its documented status with a message of
@@ -616,14 +619,15 @@ static void test_packer_errors(void) {
 /* ---- fused experts: cases, data, reference ------------------------------------------ */
 
 enum {
-  BIAS = 1,        /* w1_bias and w2_bias */
-  SWIGLU = 2,      /* clamped swiglu on interleaved gate/up rows, else silu(gate) * up */
-  RESIDUAL = 4,    /* out += 0.75 * residual */
-  NO_IDS = 8,      /* topk_ids NULL: every slot is expert 0 */
-  NO_WEIGHTS = 16, /* topk_weights NULL: every weight is 1 */
-  OUT_IS_X = 32,   /* out (and residual, if any) alias x */
-  ONE_EXPERT = 64, /* every slot routed to expert E - 1 */
-  GELU = 128,      /* gelu(gate) * up (erf form) instead of silu(gate) * up */
+  BIAS = 1,         /* w1_bias and w2_bias */
+  SWIGLU = 2,       /* clamped swiglu on interleaved gate/up rows, else silu(gate) * up */
+  RESIDUAL = 4,     /* out += 0.75 * residual */
+  NO_IDS = 8,       /* topk_ids NULL: every slot is expert 0 */
+  NO_WEIGHTS = 16,  /* topk_weights NULL: every weight is 1 */
+  OUT_IS_X = 32,    /* out (and residual, if any) alias x */
+  ONE_EXPERT = 64,  /* every slot routed to expert E - 1 */
+  GELU = 128,       /* gelu(gate) * up (erf form) instead of silu(gate) * up */
+  SILU_CLAMP = 256, /* silu(min(gate, limit)) * clamp(up, -limit, limit) (limit without alpha) */
 };
 
 typedef struct moe_case {
@@ -659,12 +663,17 @@ static const moe_case g_cases[] = {
   {"fp16 decode 2 rows", UNQUANT, F16,   2,  96,  64, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"bf16 gelu",        UNQUANT, BF16,   21,  96,  64, 4, 2, I64, F32,  0.1,  0,  0,
    BIAS | GELU | RESIDUAL},
+  {"bf16 silu clamp",  UNQUANT, BF16,   21,  96,  64, 4, 2, I32, F32,  0.1,  0,  0,
+   BIAS | SILU_CLAMP | RESIDUAL},
+  {"fp16 silu clamp decode", UNQUANT, F16, 1, 64, 96, 3, 2, I64, F32,  0.0,  0,  0,  SILU_CLAMP},
   {"fp16 all skipped", UNQUANT, F16,     4,  32,  32, 2, 2, I32, F32,  1.0,  0,  0,  RESIDUAL},
   {"int8 decode",      INT8,    BF16,    1,  32,  96, 3, 2, I32, F32,  0.0,  0,  0,  0},
   {"int8 decode 2 rows", INT8,  F16,     2,  64,  96, 2, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"int8 tails",       INT8,    F16,    50,  96, 160, 4, 4, I64, BF16, 0.25, 0,  0,
    BIAS | SWIGLU | RESIDUAL},
   {"int8 gelu",       INT8,    BF16,    3,  64,  32, 2, 2, I32, F32,  0.0,  0,  0,  GELU},
+  {"int8 silu clamp",  INT8,    F16,    19,  96,  64, 3, 2, I64, F32,  0.1,  0,  0,
+   BIAS | SILU_CLAMP},
   {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,
    BIAS | RESIDUAL},
   {"int8 in place",    INT8,    F16,     6,  64,  64, 2, 2, I32, F64,  0.0,  0,  0,
@@ -673,6 +682,8 @@ static const moe_case g_cases[] = {
   {"fp8 odd blocks",   FP8,     F16,    20, 160,  64, 4, 2, I64, F16,  0.2,  48, 6,
    SWIGLU | RESIDUAL},
   {"fp8 gelu",        FP8,     F16,    30,  64,  64, 3, 2, I32, F32,  0.0,  32, 32, BIAS | GELU},
+  {"fp8 silu clamp",   FP8,     BF16,   12,  64,  96, 3, 2, I32, F32,  0.0,  32, 64,
+   SILU_CLAMP | RESIDUAL},
   {"fp8 2 chunks",     FP8,     BF16, 1100,  32,  32, 2, 1, I64, F64,  0.1,  16, 16,
    BIAS | RESIDUAL},
   {"fp8 huge blocks",  FP8,     BF16,    7,  64,  96, 2, 2, I32, F32,  0.0,  BIG_BLOCK, BIG_BLOCK,
@@ -684,11 +695,15 @@ static const moe_case g_cases[] = {
    BIAS | SWIGLU | RESIDUAL},
   {"int4 group 256",   INT4,    BF16,    9, 256,  64, 2, 2, I32, F16,  0.0,  256, 64, RESIDUAL},
   {"int4 gelu",       INT4,    F16,     1,  64,  64, 2, 2, I32, F32,  0.0,  32, 64, GELU},
+  {"int4 silu clamp",  INT4,    BF16,   15,  64,  96, 3, 2, I32, F32,  0.1,  32, 32,
+   BIAS | SILU_CLAMP},
   {"int4 2 chunks",    INT4,    BF16, 1100,  32,  32, 2, 1, I32, F32,  0.1,  32, 32,  BIAS},
   {"mxfp4 decode",     MXFP4,   BF16,    1,  64,  96, 3, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"mxfp4 4 rows",     MXFP4,   BF16,    2,  96,  64, 3, 2, I64, F32,  0.0,  0,  0,
    BIAS | SWIGLU | ONE_EXPERT},
   {"mxfp4 fp16 decode", MXFP4,  F16,     2,  64,  64, 2, 2, I32, F32,  0.0,  0,  0,  0},
+  {"mxfp4 silu clamp", MXFP4,   BF16,   17,  96,  64, 3, 2, I64, F32,  0.1,  0,  0,
+   BIAS | SILU_CLAMP},
   {"mxfp4 tails",      MXFP4,   F16,    37, 160,  96, 4, 2, I64, BF16, 0.2,  0,  0,
    BIAS | SWIGLU | RESIDUAL},
   {"mxfp4 partial chunk", MXFP4, BF16,  40, 288,  32, 1, 1, I32, F32,  0.0,  0,  0,
@@ -901,6 +916,9 @@ static void reference(moe_data *d) {
           const double g = fmin(h[2 * n], p->limit);
           const double u = fmax(fmin(h[2 * n + 1], p->limit), -p->limit);
           a[n] = g * sigmoid(p->alpha * g) * (u + 1.0);
+        } else if (c->flags & SILU_CLAMP) { /* [gate; up] rows */
+          const double g = fmin(h[n], p->limit);
+          a[n] = g * sigmoid(g) * fmax(fmin(h[N + n], p->limit), -p->limit);
         } else if (c->flags & GELU) {
           a[n] = h[n] * 0.5 * erfc(-h[n] * 0.70710678118654752440) * h[N + n];
         } else {
@@ -970,9 +988,10 @@ static void make_data(const moe_case *c, moe_data *d) {
       .topk = c->topk,
       .scheme = c->scheme,
       .act_dtype = c->act,
-      .activation = (c->flags & SWIGLU) ? CPUMOE_ACT_SWIGLU_CLAMP
-                    : (c->flags & GELU) ? CPUMOE_ACT_GELU_MUL
-                                        : CPUMOE_ACT_SILU_MUL,
+      .activation = (c->flags & SWIGLU)       ? CPUMOE_ACT_SWIGLU_CLAMP
+                    : (c->flags & GELU)       ? CPUMOE_ACT_GELU_MUL
+                    : (c->flags & SILU_CLAMP) ? CPUMOE_ACT_SILU_CLAMP
+                                              : CPUMOE_ACT_SILU_MUL,
       .alpha = 1.702f,
       .limit = 0.5f, /* small enough that the clamps act on these magnitudes */
       .x = d->x,
@@ -1190,6 +1209,102 @@ static void test_fused(void) {
   }
 }
 
+/* ---- activations (cpumoe_activation_values) ------------------------------------------- */
+
+static int same_float_bits(float a, float b) { /* any NaN matches any NaN */
+  uint32_t ua, ub;
+  memcpy(&ua, &a, sizeof ua), memcpy(&ub, &b, sizeof ub);
+  return ua == ub || (a != a && b != b);
+}
+
+/* Every activation on a grid of (gate, up) pairs (around +-limit, zeros, infinities, NaN):
+ * each tier gives the scalar tier's bits. The clamped silu gives silu_mul's bits where
+ * nothing is clamped, NaN where gate or up is NaN, and elsewhere its double restatement
+ * (gates below -80 left out: there the kernels' exp clamps its argument, as for silu_mul).
+ * A NaN or negative limit and an unknown activation are rejected. */
+static void test_activations(void) {
+  enum { SIDE = 24, COUNT = SIDE * SIDE, ACTS = 4 };
+  const float limit = 1.5f;
+  const float side[SIDE] = {NAN,
+                            INFINITY,
+                            -INFINITY,
+                            0.0f,
+                            -0.0f,
+                            limit,
+                            -limit,
+                            nextafterf(limit, 0.0f),
+                            nextafterf(limit, 2.0f),
+                            nextafterf(-limit, 0.0f),
+                            nextafterf(-limit, -2.0f),
+                            0.25f,
+                            -0.25f,
+                            1.0f,
+                            -1.0f,
+                            3.0f,
+                            -3.0f,
+                            10.0f,
+                            -10.0f,
+                            50.0f,
+                            -50.0f,
+                            1e-30f,
+                            -1e-30f,
+                            3e38f};
+  static const cpumoe_activation acts[ACTS] = {CPUMOE_ACT_SILU_MUL, CPUMOE_ACT_SWIGLU_CLAMP,
+                                               CPUMOE_ACT_GELU_MUL, CPUMOE_ACT_SILU_CLAMP};
+  static float gate[COUNT], up[COUNT], out[COUNT], silu[COUNT], scalar[ACTS][COUNT];
+  for (int i = 0; i < COUNT; i++) gate[i] = side[i / SIDE], up[i] = side[i % SIDE];
+  int have_scalar = 0;
+  for (int isa = CPUMOE_ISA_SCALAR; isa < CPUMOE_ISA_COUNT; isa++) {
+    if (!g_tested[isa]) continue;
+    use_tier((cpumoe_isa)isa);
+    const char *tier = cpumoe_isa_name((cpumoe_isa)isa);
+    if (!have_scalar) { /* the scalar tier's bits, counting for no tier */
+      cpumoe_set_isa_cap(CPUMOE_ISA_SCALAR);
+      for (int a = 0; a < ACTS; a++)
+        CHECK(cpumoe_activation_values(acts[a], 1.702f, limit, COUNT, gate, up, scalar[a]) ==
+                  CPUMOE_OK,
+              "activation %d [scalar]: %s", (int)acts[a], cpumoe_last_error());
+      cpumoe_set_isa_cap((cpumoe_isa)isa);
+      have_scalar = 1;
+    }
+    for (int a = 0; a < ACTS; a++) {
+      const cpumoe_status st =
+          cpumoe_activation_values(acts[a], 1.702f, limit, COUNT, gate, up, out);
+      int differ = 0;
+      for (int i = 0; i < COUNT; i++) differ += !same_float_bits(out[i], scalar[a][i]);
+      CHECK(st == CPUMOE_OK && differ == 0,
+            "activation %d [%s]: %d of %d values differ from scalar (status %d)", (int)acts[a],
+            tier, differ, COUNT, (int)st);
+    }
+    cpumoe_activation_values(CPUMOE_ACT_SILU_MUL, 0.0f, 0.0f, COUNT, gate, up, silu);
+    cpumoe_activation_values(CPUMOE_ACT_SILU_CLAMP, 0.0f, limit, COUNT, gate, up, out);
+    int wrong = 0;
+    for (int i = 0; i < COUNT; i++) {
+      const float g = gate[i], u = up[i];
+      if (g != g || u != u) {
+        wrong += out[i] == out[i];
+      } else if (g <= limit && fabsf(u) <= limit) {
+        wrong += !same_float_bits(out[i], silu[i]);
+      } else if (g > -80.0f) {
+        const double gc = fmin(g, limit), uc = fmax(fmin(u, limit), -limit);
+        const double want = gc * sigmoid(gc) * uc;
+        wrong += !(fabs(out[i] - want) <= 1e-6 * fabs(want) + 1e-37);
+      }
+    }
+    CHECK(wrong == 0, "clamped silu [%s]: %d of %d values wrong", tier, wrong, COUNT);
+  }
+  use_tier(g_home);
+  CHECK_ERROR("activation_values NaN limit",
+              cpumoe_activation_values(CPUMOE_ACT_SILU_CLAMP, 0.0f, NAN, 4, gate, up, out),
+              CPUMOE_EINVAL, "limit must be >= 0");
+  CHECK_ERROR("activation_values limit < 0",
+              cpumoe_activation_values(CPUMOE_ACT_SILU_CLAMP, 0.0f, -0.5f, 4, gate, up, out),
+              CPUMOE_EINVAL, "got -0.5");
+  CHECK_ERROR("activation_values unknown",
+              cpumoe_activation_values((cpumoe_activation)9, 0.0f, 1.0f, 4, gate, up, out),
+              CPUMOE_EINVAL, "activation 9");
+}
+
 /* ---- fused experts: rejected inputs --------------------------------------------------- */
 
 static void test_fused_errors(void) {
@@ -1226,6 +1341,10 @@ static void test_fused_errors(void) {
   REJECT("scheme", p.scheme = (cpumoe_scheme)99, CPUMOE_EUNSUPPORTED, "99");
   REJECT("act dtype", p.act_dtype = F32, CPUMOE_EINVAL, "activations");
   REJECT("activation", p.activation = (cpumoe_activation)7, CPUMOE_EINVAL, "activation 7");
+  REJECT("silu clamp NaN limit", (p.activation = CPUMOE_ACT_SILU_CLAMP, p.limit = NAN),
+         CPUMOE_EINVAL, "limit must be >= 0");
+  REJECT("silu clamp limit < 0", (p.activation = CPUMOE_ACT_SILU_CLAMP, p.limit = -1.0f),
+         CPUMOE_EINVAL, "got -1");
   REJECT("w1_bias only", p.w1_bias = &bias, CPUMOE_EINVAL, "w1_bias");
   REJECT("w2_bias only", p.w2_bias = &bias, CPUMOE_EINVAL, "w2_bias");
   REJECT("ids dtype", p.topk_ids_dtype = F32, CPUMOE_EINVAL, "topk_ids");
@@ -2190,6 +2309,7 @@ int main(int argc, char **argv) {
       {"packers", test_pack_int4},
       {"packers", test_packer_errors},
       {"fused", test_fused},
+      {"activations", test_activations},
       {"errors", test_fused_errors},
       {"sizes", test_sizes},
       {"isa", test_isa},

@@ -65,6 +65,11 @@ typedef enum cpumoe_activation {
   /* w1 rows are [gate; up]: a = gelu(h[:N]) * h[N:], gelu(x) = x Phi(x) with the exact
    * normal CDF Phi (erf form, not the tanh approximation) */
   CPUMOE_ACT_GELU_MUL = 2,
+  /* DeepSeek-V4: w1 rows are [gate; up] (not interleaved), no alpha:
+   * g = min(gate, limit), u = clamp(up, -limit, limit), a = silu(g) * u.
+   * limit must be >= 0 (+inf clamps nothing); NaN or negative is CPUMOE_EINVAL.
+   * A NaN gate or up gives a NaN result (the clamp passes NaN on, as torch.clamp). */
+  CPUMOE_ACT_SILU_CLAMP = 3,
 } cpumoe_activation;
 
 /* ISA tiers (the list and their ids: cpumoe/tiers.h). A tier is usable when the CPU has
@@ -108,7 +113,7 @@ typedef struct cpumoe_moe_problem {
   cpumoe_scheme scheme;
   cpumoe_dtype act_dtype; /* BF16 or F16: x, out, residual */
   cpumoe_activation activation;
-  float alpha, limit; /* SWIGLU_CLAMP only */
+  float alpha, limit; /* SWIGLU_CLAMP: both; SILU_CLAMP: limit */
 
   const void *x;  /* [M, K] act_dtype */
   const void *w1; /* packed [E, 2N, K] (layout per scheme, docs/FORMATS.md) */
@@ -231,8 +236,8 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *problem, void *workspac
  * runner and on every ISA tier. */
 /* out[i] = the activation of (gate[i], up[i]) as the active tier's fused MoE computes it on
  * the first GEMM's fp32 output (before the rounding to the activation dtype): silu(gate) *
- * up, gelu(gate) * up, or the clamped swiglu with alpha and limit. For tests of the
- * activations' bits; n may be 0. */
+ * up, gelu(gate) * up, the clamped swiglu with alpha and limit, or the clamped silu with
+ * limit (checked as in a problem). For tests of the activations' bits; n may be 0. */
 cpumoe_status cpumoe_activation_values(cpumoe_activation activation, float alpha, float limit,
                                        size_t n, const float *gate, const float *up, float *out);
 

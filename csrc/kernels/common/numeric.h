@@ -230,13 +230,24 @@ static inline float cm_maxf(float a, float b) {
   return a > b ? a : b;
 }
 
+/* The up clamp of the clamped activations: x limited to [-limit, limit], NaN kept (the
+ * gate's clamp is cm_minf(limit, gate), which keeps NaN too). */
+static inline float cm_clamp_symf(float x, float limit) {
+  return cm_maxf(-limit, cm_minf(limit, x));
+}
+
 /* GPT-OSS clamped SwiGLU on one (gate, up) pair. */
 static inline float cm_swiglu_clampf(float gate, float up, float alpha, float limit) {
   gate = cm_minf(limit, gate);
-  up = cm_minf(limit, up);
-  up = cm_maxf(-limit, up);
+  up = cm_clamp_symf(up, limit);
   const float s = 1.0f / (1.0f + cm_expf(-(alpha * gate)));
   return (gate * s) * (up + 1.0f);
+}
+
+/* DeepSeek-V4's clamped SiLU*mul on one (gate, up) pair: cm_siluf's bits times up whenever
+ * neither is clamped (limit >= 0, checked by the caller; +inf clamps nothing). */
+static inline float cm_silu_clampf(float gate, float up, float limit) {
+  return cm_siluf(cm_minf(limit, gate)) * cm_clamp_symf(up, limit);
 }
 
 #endif /* CPUMOE_COMMON_NUMERIC_H */

@@ -184,6 +184,9 @@ typedef void (*cm_gated_fn)(size_t n, const float *gate, const float *up, float 
 /* out[i] = swiglu_clamp(gate[i], up[i]) (see common/numeric.h) */
 typedef void (*cm_swiglu_fn)(size_t n, const float *gate, const float *up, float alpha, float limit,
                              float *out);
+/* out[i] = silu_clamp(gate[i], up[i]) (see common/numeric.h), limit >= 0 */
+typedef void (*cm_silu_clamp_fn)(size_t n, const float *gate, const float *up, float limit,
+                                 float *out);
 /* Routing scores (gating/): out[i] = exp(x[i] - shift), sigmoid(x[i]) or
  * sqrt(softplus(x[i])), with common/numeric.h's functions */
 typedef void (*cm_exp_shifted_fn)(size_t n, const float *x, float shift, float *out);
@@ -285,6 +288,7 @@ typedef struct cm_gemm_config {
 typedef struct cm_elementwise_kernels {
   cm_gated_fn silu_mul, gelu_mul;
   cm_swiglu_fn swiglu;
+  cm_silu_clamp_fn silu_clamp;
   cm_widen_fn widen_bf16, widen_f16;
   cm_narrow_fn narrow_bf16, narrow_f16;
   cm_round_fn round_bf16, round_f16;
@@ -333,6 +337,7 @@ const cm_tier_config *cm_active_config(void);
   void cm_silu_mul__##tier(size_t, const float *, const float *, float *);                 \
   void cm_gelu_mul__##tier(size_t, const float *, const float *, float *);                 \
   void cm_swiglu__##tier(size_t, const float *, const float *, float, float, float *);     \
+  void cm_silu_clamp__##tier(size_t, const float *, const float *, float, float *);        \
   void cm_widen_bf16__##tier(size_t, const uint16_t *, float *);                           \
   void cm_widen_f16__##tier(size_t, const uint16_t *, float *);                            \
   void cm_narrow_bf16__##tier(size_t, const float *, uint16_t *);                          \

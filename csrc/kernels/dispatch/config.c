@@ -35,6 +35,7 @@
       .silu_mul = cm_silu_mul__##tier,                   \
       .gelu_mul = cm_gelu_mul__##tier,                   \
       .swiglu = cm_swiglu__##tier,                       \
+      .silu_clamp = cm_silu_clamp__##tier,               \
       .widen_bf16 = cm_widen_bf16__##tier,               \
       .widen_f16 = cm_widen_f16__##tier,                 \
       .narrow_bf16 = cm_narrow_bf16__##tier,             \

@@ -41,6 +41,11 @@ void CM_TIERED(cm_swiglu)(size_t n, const float *restrict gate, const float *res
   for (size_t i = 0; i < n; i++) out[i] = cm_swiglu_clampf(gate[i], up[i], alpha, limit);
 }
 
+void CM_TIERED(cm_silu_clamp)(size_t n, const float *restrict gate, const float *restrict up,
+                              float limit, float *restrict out) {
+  for (size_t i = 0; i < n; i++) out[i] = cm_silu_clampf(gate[i], up[i], limit);
+}
+
 void CM_TIERED(cm_exp_shifted)(size_t n, const float *restrict x, float shift,
                                float *restrict out) {
   for (size_t i = 0; i < n; i++) out[i] = cm_expf(x[i] - shift);

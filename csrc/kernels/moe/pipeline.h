@@ -6,7 +6,8 @@
  * SHAPES     x [M, K], w1 [E, 2N, K] packed, w2 [E, K, N] packed, ids/weights [M, topk]
  * DEFINITION for m, j: e = ids[m, j] (skip -1)
  *              h = W1[e] x[m] + b1[e]           fp32, one FMA chain per element
- *              a = round16(act(h))              act = silu(gate)*up or clamped swiglu
+ *              a = round16(act(h))              act = silu(gate)*up, gelu(gate)*up,
+ *                                               clamped swiglu or clamped silu
  *              y = (W2[e] a + b2[e]) * w[m, j]   fp32
  *            out[m] = round16(sum_j y + residual_scale * residual[m])
  *            (docs/MATH.md states it in full.)
@@ -164,6 +165,8 @@ typedef struct cm_layout {
 cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p);
 /* every topk id in [0, E) or -1 */
 cpumoe_status cm_validate_ids(const cpumoe_moe_problem *p);
+/* a known activation, and for SILU_CLAMP a limit >= 0 (not NaN) */
+cpumoe_status cm_validate_activation(cpumoe_activation activation, float limit);
 
 /* moe/layout.c; _gemm1: the regions of the first GEMM only (the dense linear, moe/linear.c) */
 cm_layout cm_plan_layout(const cpumoe_moe_problem *p, const cm_gemm_config *gemm);

@@ -48,19 +48,30 @@ static void pack2_task(void *ctx, int64_t t) {
   pack_panel(r, &r->panels[t], 2);
 }
 
+/* out = the problem's activation of (gate, up): the one place that maps an activation to
+ * its kernel, for gemm1_task and cpumoe_activation_values (validated activations only). */
+static void apply_activation(const cm_elementwise_kernels *ew, cpumoe_activation activation,
+                             float alpha, float limit, size_t n, const float *gate, const float *up,
+                             float *out) {
+  switch (activation) {
+    case CPUMOE_ACT_SILU_MUL: ew->silu_mul(n, gate, up, out); return;
+    case CPUMOE_ACT_GELU_MUL: ew->gelu_mul(n, gate, up, out); return;
+    case CPUMOE_ACT_SWIGLU_CLAMP: ew->swiglu(n, gate, up, alpha, limit, out); return;
+    case CPUMOE_ACT_SILU_CLAMP: ew->silu_clamp(n, gate, up, limit, out); return;
+  }
+}
+
 static void gemm1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
   const int64_t N = p->N;
   int64_t tile; /* intermediate columns [32 tile, 32 tile + 32) */
   const cm_block *blk = task_block(r->blocks, t, r->n_tiles1, &tile);
-  const int swiglu = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
-  const cm_gated_fn gated =
-      p->activation == CPUMOE_ACT_GELU_MUL ? r->ew->gelu_mul : r->ew->silu_mul;
-  /* silu, gelu: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows [64 tile, +64)
-   * interleave gate/up. Either way two 32-row weight blocks. */
-  const int64_t row0 = swiglu ? 64 * tile : 32 * tile;
-  const int64_t row1 = swiglu ? 64 * tile + 32 : N + 32 * tile;
+  const int interleaved = p->activation == CPUMOE_ACT_SWIGLU_CLAMP;
+  /* [gate; up] activations: gate rows [32 tile..), up rows [N + 32 tile..); swiglu: rows
+   * [64 tile, +64) interleave gate/up. Either way two 32-row weight blocks. */
+  const int64_t row0 = interleaved ? 64 * tile : 32 * tile;
+  const int64_t row1 = interleaved ? 64 * tile + 32 : N + 32 * tile;
   CM_ALIGNED float c0[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
   CM_ALIGNED float c1[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
   float gate[CM_NR], up[CM_NR];
@@ -73,19 +84,18 @@ static void gemm1_task(void *ctx, int64_t t) {
   for (int64_t i = 0; i < rows; i++) {
     float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
     float *out = r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
-    if (swiglu) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
+    if (interleaved) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
       for (int j = 0; j < CM_NR; j++) {
         const float *h = j < 16 ? h0 : h1;
         const int jj = 2 * (j & 15);
         gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
         up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
       }
-      r->ew->swiglu(CM_NR, gate, up, p->alpha, p->limit, out);
-    } else {
-      if (bias)
-        for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
-      gated(CM_NR, h0, h1, out);
+      h0 = gate, h1 = up;
+    } else if (bias) {
+      for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
     }
+    apply_activation(r->ew, p->activation, p->alpha, p->limit, CM_NR, h0, h1, out);
     r->round16(CM_NR, out);
   }
 }
@@ -139,13 +149,10 @@ cpumoe_status cpumoe_activation_values(cpumoe_activation activation, float alpha
                                        size_t n, const float *gate, const float *up, float *out) {
   if (n > 0 && (!gate || !up || !out))
     return cm_fail(CPUMOE_EINVAL, "gate, up and out must not be NULL");
-  const cm_elementwise_kernels *ew = &cm_active_config()->elementwise;
-  switch (activation) {
-    case CPUMOE_ACT_SILU_MUL: ew->silu_mul(n, gate, up, out); return CPUMOE_OK;
-    case CPUMOE_ACT_GELU_MUL: ew->gelu_mul(n, gate, up, out); return CPUMOE_OK;
-    case CPUMOE_ACT_SWIGLU_CLAMP: ew->swiglu(n, gate, up, alpha, limit, out); return CPUMOE_OK;
-  }
-  return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)activation);
+  const cpumoe_status st = cm_validate_activation(activation, limit);
+  if (st != CPUMOE_OK) return st;
+  apply_activation(&cm_active_config()->elementwise, activation, alpha, limit, n, gate, up, out);
+  return CPUMOE_OK;
 }
 
 /* The tier's config for the problem's scheme and activation dtype; NULL if the scheme is

@@ -39,6 +39,25 @@ static int overlaps(const void *a, size_t a_bytes, const void *b, size_t b_bytes
   return a0 < b0 + b_bytes && b0 < a0 + a_bytes;
 }
 
+/* The clamped silu's limit is a clamp bound: a negative one would make the up interval empty
+ * and a NaN one would clamp nothing, neither of which DeepSeek-V4 means (SGLang passes a
+ * positive float). The clamped swiglu's limit stays unchecked, as it always was. */
+cpumoe_status cm_validate_activation(cpumoe_activation activation, float limit) {
+  switch (activation) {
+    case CPUMOE_ACT_SILU_MUL:
+    case CPUMOE_ACT_SWIGLU_CLAMP:
+    case CPUMOE_ACT_GELU_MUL: return CPUMOE_OK;
+    case CPUMOE_ACT_SILU_CLAMP:
+      if (!(limit >= 0.0f))
+        return cm_fail(CPUMOE_EINVAL,
+                       "limit must be >= 0 (not NaN) for the clamped silu (limit without alpha), "
+                       "got %g",
+                       (double)limit);
+      return CPUMOE_OK;
+  }
+  return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)activation);
+}
+
 cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p) {
   if (!p) return cm_fail(CPUMOE_EINVAL, "problem is NULL");
   if (p->M < 0) return cm_fail(CPUMOE_EINVAL, "M must be >= 0, got %lld", (long long)p->M);
@@ -71,9 +90,8 @@ cpumoe_status cm_validate_problem(const cpumoe_moe_problem *p) {
                    CM_MAX_TOPK);
   st = check_tensor_bytes(p, traits);
   if (st != CPUMOE_OK) return st;
-  if (p->activation != CPUMOE_ACT_SILU_MUL && p->activation != CPUMOE_ACT_SWIGLU_CLAMP &&
-      p->activation != CPUMOE_ACT_GELU_MUL)
-    return cm_fail(CPUMOE_EINVAL, "unknown activation %d", (int)p->activation);
+  st = cm_validate_activation(p->activation, p->limit);
+  if (st != CPUMOE_OK) return st;
   if ((p->w1_bias == NULL) != (p->w2_bias == NULL))
     return cm_fail(CPUMOE_EINVAL, "w1_bias and w2_bias must be given together");
   if (p->topk_ids && p->topk_ids_dtype != CPUMOE_DTYPE_I32 && p->topk_ids_dtype != CPUMOE_DTYPE_I64)
