@@ -760,17 +760,20 @@ def _q(arg, what, unnamed=False, **over):
 
 
 ROUTING_OPS = ("topk_softmax", "topk_sigmoid", "grouped_topk", "biased_grouped_topk",
-               "biased_topk")
+               "biased_topk", "hash_topk")
 
 
 def call_routing(op="biased_grouped_topk", *, cpu_kernel=False, **over):
     """torch.ops.cpumoe.<op>_cpu with valid arguments (E experts in 4 groups keeping 2,
-    topk = TOPK), `over` applied; cpu_kernel as in call_fused."""
+    topk = TOPK; hash_topk: a table [M, TOPK] of ids in [0, E)), `over` applied; cpu_kernel
+    as in call_fused."""
     a = _apply(dict(hidden_states=torch.zeros(M, K, dtype=BF16),
                     gating_output=torch.randn(M, E).to(BF16), correction_bias=torch.zeros(E),
                     topk=TOPK, renormalize=True, scoring_func="sigmoid", num_expert_group=4,
                     topk_group=2, num_fused_shared_experts=0, routed_scaling_factor=None,
-                    num_token_non_padded=None, apply_routed_scaling_factor_on_output=False),
+                    num_token_non_padded=None, apply_routed_scaling_factor_on_output=False,
+                    tid2eid=torch.arange(M * TOPK, dtype=torch.int32).reshape(M, TOPK) % E,
+                    num_experts=E),
                over)
     head = (a["hidden_states"], a["gating_output"])
     scaling = (a["num_fused_shared_experts"], a["routed_scaling_factor"])
@@ -785,6 +788,9 @@ def call_routing(op="biased_grouped_topk", *, cpu_kernel=False, **over):
         "biased_topk": (*head, a["correction_bias"], a["topk"], a["renormalize"],
                         a["scoring_func"], *scaling,
                         a["apply_routed_scaling_factor_on_output"]),
+        "hash_topk": (a["gating_output"], a["tid2eid"], a["topk"], a["scoring_func"],
+                      a["num_fused_shared_experts"],  a["num_experts"],
+                      1.0 if a["routed_scaling_factor"] is None else a["routed_scaling_factor"]),
     }[op]
     packet = getattr(torch.ops.cpumoe, op + "_cpu").default
     return packet.redispatch(CPU_KEYS, *args) if cpu_kernel else packet(*args)
@@ -1135,7 +1141,7 @@ CATALOGUE = [
     _q("scales", "a group size int4 does not support (here 192)", ic=384, group=192),
     Rejected("int4", "weight", "not a CPU tensor, reaching the CPU kernel",
              lambda: call_pack_int4(cpu_kernel=True, qweight=_meta("qweight"))),
-    # -- routing (topk_softmax_cpu, ..., biased_topk_cpu) -----------------------------------
+    # -- routing (topk_softmax_cpu, ..., biased_topk_cpu, hash_topk_cpu) --------------------
     _r("hidden_states", "not 2-D", "topk_softmax", hidden_states=torch.zeros(M * K, dtype=BF16)),
     _r("gating_output", "not 2-D", "topk_sigmoid",
        gating_output=lambda a: a["gating_output"].flatten()),
@@ -1171,11 +1177,35 @@ CATALOGUE = [
        scoring_func="softmax"),
     _r("apply_routed_scaling_factor_on_output", "True without routed_scaling_factor",
        "biased_topk", apply_routed_scaling_factor_on_output=True),
+    _r("gating_output", "float64", "hash_topk", gating_output=lambda a: a["gating_output"].double()),
+    _r("num_experts", "other than gating_output.size(1)", "hash_topk", num_experts=E + 1),
+    _r("scoring_func", "not softmax, sigmoid or sqrtsoftplus (here tanh)", "hash_topk",
+       scoring_func="tanh"),
+    _r("num_fused_shared_experts", "negative", "hash_topk", num_fused_shared_experts=-1),
+    _r("routed_scaling_factor", "0 with a fused shared expert", "hash_topk", topk=TOPK + 1,
+       num_fused_shared_experts=1, routed_scaling_factor=0.0),
+    _r("routed_scaling_factor", "NaN with a fused shared expert", "hash_topk", topk=TOPK + 1,
+       num_fused_shared_experts=1, routed_scaling_factor=float("nan")),
+    _r("topk", "0", "hash_topk", topk=0, tid2eid=torch.zeros(M, 0, dtype=torch.int32)),
+    _r("topk", "1 with a fused shared expert (no routed slot left)", "hash_topk", topk=1,
+       num_fused_shared_experts=1, routed_scaling_factor=2.5,
+       tid2eid=torch.zeros(M, 0, dtype=torch.int32)),
+    _r("tid2eid", "int64", "hash_topk", tid2eid=lambda a: a["tid2eid"].long()),
+    _r("tid2eid", "columns other than topk", "hash_topk", topk=TOPK + 1),
+    _r("tid2eid", "columns other than topk - 1 with a fused shared expert", "hash_topk",
+       num_fused_shared_experts=1, routed_scaling_factor=2.5),
+    _r("tid2eid", "rows other than M", "hash_topk",
+       tid2eid=torch.zeros(M + 1, TOPK, dtype=torch.int32)),
+    _r("tid2eid", "not 2-D", "hash_topk", tid2eid=lambda a: a["tid2eid"].flatten()),
+    _r("tid2eid", "an id outside [0, E) (here E at [2, 1])", "hash_topk",
+       tid2eid=lambda a: a["tid2eid"].index_put((torch.tensor(2), torch.tensor(1)),
+                                                torch.tensor(E, dtype=torch.int32))),
+    _r("tid2eid", "a negative id", "hash_topk", tid2eid=lambda a: a["tid2eid"] - E),
     *[Rejected("devices", name, f"not a CPU tensor, reaching the CPU kernel ({op}_cpu)",
                lambda op=op, name=name: call_routing(op, cpu_kernel=True,
                                                      **{name: _meta(name)}))
       for op, name in [("topk_softmax", "hidden_states"), ("topk_softmax", "gating_output"),
-                       ("biased_grouped_topk", "correction_bias")]],
+                       ("biased_grouped_topk", "correction_bias"), ("hash_topk", "tid2eid")]],
     Rejected("devices", "num_token_non_padded",
              "not a CPU tensor, reaching the CPU kernel (grouped_topk_cpu)",
              lambda: call_routing("grouped_topk", cpu_kernel=True,

@@ -1,5 +1,5 @@
 """The routing ops before the experts (topk_softmax_cpu, topk_sigmoid_cpu, grouped_topk_cpu,
-biased_grouped_topk_cpu, biased_topk_cpu):
+biased_grouped_topk_cpu, biased_topk_cpu, hash_topk_cpu):
 
 * bit for bit against reference.route with the kernels' score functions
   (exact_reference.kernel_gating), for many E / topk / group shapes, M from 0 to 2000,
@@ -123,6 +123,96 @@ def test_biased_topk_exact(isa, scoring_func, apply, renormalize):
         assert_same(got, want, f"M={M} E={E}")
 
 
+def table(M, R, E, seed=0):
+    """A hash table's rows for M tokens: R ids in [0, E) each (repeats possible)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, E, (M, R), dtype=torch.int32, generator=gen)
+
+
+@pytest.mark.parametrize("shared", [0, 1, 3], ids=["no_shared", "shared1", "shared3"])
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_hash_topk_exact(isa, dt, scoring_func, shared):
+    """hash_topk_cpu: slot j of token m is tid2eid[m, j] with its score as weight, the
+    non-softmax weights renormalized, the fused shared slot last; bit for bit, for DeepSeek-V4's
+    shape (256 experts, 6 from the table), E the table's width, R > E with repeats, R = 1,
+    E = 1 and odd E."""
+    factor = 1.5
+    for M, E, R in [(0, 256, 6), (1, 256, 6), (5, 64, 64), (300, 256, 6), (17, 7, 9),
+                    (3, 1, 2), (40, 33, 1)]:
+        g, t = logits(M, E, DTYPES[dt], scale=6.0), table(M, R, E, seed=M + E)
+        topk = R + (shared > 0)
+        got = cpumoe.hash_topk(g, t, topk, scoring_func=scoring_func,
+                               num_fused_shared_experts=shared, routed_scaling_factor=factor)
+        want = exact("hash_topk", g, t, topk, scoring_func, shared, E, factor)
+        assert_same(got, want, f"M={M} E={E} R={R}")
+        w, ids = got
+        assert torch.equal(ids[:, :R], t)
+        if shared:
+            assert torch.equal(ids[:, -1], (torch.arange(M) % shared + E).int())
+        if M and scoring_func != "softmax":  # renormalized: the routed weights sum to 1
+            torch.testing.assert_close(w[:, :R].double().sum(-1), torch.ones(M).double(),
+                                       rtol=1e-6, atol=0)
+
+
+def test_hash_topk_weights_and_shared_slot(isa):
+    """The weights are the table experts' scores (softmax over all E, not over the R), the
+    shared slot's weight the routed weights' sum over the factor: 1 / factor after a
+    renormalization."""
+    M, E, R, factor = 23, 64, 6, 2.5
+    g, t = logits(M, E), table(M, R, E)
+    w, ids = cpumoe.hash_topk(g, t, R + 1, scoring_func="softmax", num_fused_shared_experts=1,
+                              routed_scaling_factor=factor)
+    p = torch.softmax(g.double(), -1).gather(1, t.long())
+    torch.testing.assert_close(w[:, :R].double(), p, rtol=2e-6, atol=1e-9)
+    torch.testing.assert_close(w[:, R].double(), p.sum(-1) / factor, rtol=2e-6, atol=1e-9)
+    w, ids = cpumoe.hash_topk(g, t, R + 1, scoring_func="sigmoid", num_fused_shared_experts=1,
+                              routed_scaling_factor=factor)
+    s = torch.sigmoid(g.double()).gather(1, t.long())
+    torch.testing.assert_close(w[:, :R].double(), s / s.sum(-1, keepdim=True), rtol=2e-6,
+                               atol=1e-9)
+    torch.testing.assert_close(w[:, R], torch.full((M,), 1 / factor), rtol=1e-6, atol=0)
+
+
+def test_hash_topk_tiny_and_nan_sums(isa):
+    """Logits of -inf give the smallest scores (exp's argument is clamped), never 0: the sum
+    stays > 0 and the row is renormalized as any other. A NaN logit makes its own slots NaN
+    and their sum, which is then not > 0: the other slots keep their scores as they are."""
+    for scoring_func in ("sigmoid", "sqrtsoftplus"):
+        g = torch.full((2, 8), float("-inf"))
+        t = torch.tensor([[0, 3, 3], [7, 1, 2]], dtype=torch.int32)
+        w, ids = cpumoe.hash_topk(g, t, 4, scoring_func=scoring_func, num_fused_shared_experts=1,
+                                  routed_scaling_factor=2.0)
+        assert ids[:, :3].equal(t) and (ids[:, 3] == 8).all()
+        torch.testing.assert_close(w, torch.tensor([[1 / 3] * 3 + [0.5]] * 2))
+        assert_same((w, ids), exact("hash_topk", g, t, 4, scoring_func, 1, 8, 2.0))
+        g = torch.zeros(1, 8)
+        g[0, 3] = float("nan")
+        w, ids = cpumoe.hash_topk(g, t[:1], 3, scoring_func=scoring_func)
+        assert torch.isnan(w[0, 1:]).all()
+        with kernel_gating():  # the score of logit 0, as it is
+            assert w[0, 0] == reference.routing_scores(torch.zeros(1, 1), scoring_func)[0, 0]
+        assert_same((w, ids), exact("hash_topk", g, t[:1], 3, scoring_func, 0, 8, 1.0))
+
+
+def test_hash_topk_layouts_and_factor(isa):
+    """Any strides of gating_output and tid2eid; without a fused shared expert the factor
+    is not read (0 and NaN accepted, the result unchanged); an empty batch gives [0, topk]."""
+    M, E, R = 9, 64, 4
+    g = logits(E, M).t()
+    t = table(2 * R, M, E).t()[:, ::2]
+    assert not g.is_contiguous() and not t.is_contiguous()
+    want = cpumoe.hash_topk(g.contiguous(), t.contiguous(), R, scoring_func="sigmoid")
+    assert_same(cpumoe.hash_topk(g, t, R, scoring_func="sigmoid"), want)
+    for factor in (0.0, float("nan"), float("inf")):
+        got = cpumoe.hash_topk(g, t, R, scoring_func="sigmoid", routed_scaling_factor=factor)
+        assert_same(got, want, f"factor {factor}")
+    w, ids = cpumoe.hash_topk(torch.randn(0, E), torch.zeros(0, R, dtype=torch.int32), R + 1,
+                              num_fused_shared_experts=1, routed_scaling_factor=2.0)
+    assert w.shape == ids.shape == (0, R + 1)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+
+
 @pytest.mark.parametrize("op", ["grouped", "biased_grouped", "biased"])
 @pytest.mark.parametrize("shared", [1, 2, 3])
 def test_fused_shared_experts_exact(isa, op, shared):
@@ -196,6 +286,10 @@ def _calls(M):
                                     routed_scaling_factor=2.5),
         lambda: cpumoe.biased_grouped_topk(x, g, bias, 8, True, 8, 4, routed_scaling_factor=2.5),
         lambda: cpumoe.biased_topk(x, g, bias, 8, True, scoring_func="sqrtsoftplus"),
+        lambda: cpumoe.hash_topk(g, table(M, 6, E), 7, scoring_func="sqrtsoftplus",
+                                 num_fused_shared_experts=1, routed_scaling_factor=1.5),
+        lambda: cpumoe.hash_topk(g, table(M, 6, E), 6, scoring_func="softmax"),
+        lambda: cpumoe.hash_topk(g.float(), table(M, 6, E), 6, scoring_func="sigmoid"),
     ]
 
 
@@ -243,6 +337,20 @@ def test_spec_unbiased(isa):
         ]:
             assert torch.equal(got[1], want[1])
             torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_spec_hash(isa, scoring_func):
+    """hash_topk against the reference with torch's exp/sigmoid/softplus: the same ids, the
+    weights within fp32 rounding."""
+    M, E, R = 200, 256, 6
+    t = table(M, R, E)
+    for g in (logits(M, E, scale=3.0), logits(M, E, torch.bfloat16, scale=3.0)):
+        got = cpumoe.hash_topk(g, t, R + 1, scoring_func=scoring_func,
+                               num_fused_shared_experts=2, routed_scaling_factor=1.5)
+        want = reference.hash_topk(g, t, R + 1, scoring_func, 2, E, 1.5)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=4e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus"])
@@ -461,10 +569,14 @@ def _op_args():
          (x, g, bias, 4, True, 4, 2, 0, 2.5, None)),
         (torch.ops.cpumoe.biased_topk_cpu.default,
          (x, g, bias, 4, True, "sqrtsoftplus", 1, 2.5, True)),
+        (torch.ops.cpumoe.hash_topk_cpu.default,
+         (g, table(M, 4, E), 4, "sqrtsoftplus", 0, E, 1.0)),
+        (torch.ops.cpumoe.hash_topk_cpu.default,
+         (g.float(), table(M, 4, E), 5, "softmax", 2, E, 2.5)),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(8))
 def test_opcheck(case):
     op, args = _op_args()[case]
     torch.library.opcheck(op, args)

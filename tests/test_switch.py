@@ -78,8 +78,9 @@ def test_sglang_schemas_and_registration():
         has_scales = hasattr(torch.ops.cpumoe, "convert_scale_packed")
         names = ["fused_experts_cpu", "shared_expert_cpu", "convert_weight_packed",
                  "convert_weight_packed_scale_zp", "topk_softmax_cpu", "topk_sigmoid_cpu",
-                 "grouped_topk_cpu", "biased_grouped_topk_cpu", "weight_packed_linear",
-                 "int8_scaled_mm_with_quant", "fp8_scaled_mm_cpu", "int4_scaled_mm_cpu"]
+                 "grouped_topk_cpu", "biased_grouped_topk_cpu", "hash_topk_cpu",
+                 "weight_packed_linear", "int8_scaled_mm_with_quant", "fp8_scaled_mm_cpu",
+                 "int4_scaled_mm_cpu"]
         names += ["convert_scale_packed"] if has_scales else []
         assert sorted(s.registration.registered) == sorted(names), s.registration
         assert s.registration.left_alone == ()
@@ -229,7 +230,7 @@ def test_sglang_shared_expert_both_forms():
 
 def test_sglang_packers_and_routing():
     """convert_weight_packed (every dtype, 2-D and 3-D), convert_weight_packed_scale_zp (AWQ
-    and GPTQ) and the four routing ops as SGLang calls them: cpumoe's bits."""
+    and GPTQ) and the five routing ops as SGLang calls them: cpumoe's bits."""
     run_child("""
         import cpumoe.sglang
         sg, cm = torch.ops.sgl_kernel, torch.ops.cpumoe
@@ -254,6 +255,10 @@ def test_sglang_packers_and_routing():
             ("biased_grouped_topk_cpu", (x, logits, bias, 8, True, 8, 4, 0, None, None)),
             ("biased_grouped_topk_cpu", (x, logits, bias, 9, True, 8, 4, 1, 2.5,
                                          torch.tensor([30], dtype=torch.int32))),
+            ("hash_topk_cpu", (logits, torch.randint(0, E, (M, 6), dtype=torch.int32), 6,
+                               "sqrtsoftplus", 0, E, 1.5)),
+            ("hash_topk_cpu", (logits.bfloat16(), torch.randint(0, E, (M, 6), dtype=torch.int32),
+                               7, "softmax", 1, E, 2.5)),
         ]
         for name, args in calls:
             got, want = getattr(sg, name)(*args), getattr(cm, name)(*args)
@@ -452,7 +457,7 @@ def test_vllm_schemas_and_registration():
             import cpumoe.vllm as v
         assert not caught, [str(w.message) for w in caught]
         names = ["fused_experts_cpu", "convert_weight_packed", "convert_weight_packed_scale_zp",
-                 "biased_topk_cpu"]
+                 "biased_topk_cpu", "hash_topk_cpu"]
         names += ["convert_scale_packed"] if hasattr(torch.ops.cpumoe,
                                                      "convert_scale_packed") else []
         assert sorted(v.registration.registered) == sorted(names), v.registration
@@ -506,8 +511,8 @@ def test_vllm_fused_experts_every_scheme():
 
 
 def test_vllm_packers_routing_and_errors():
-    """convert_weight_packed, convert_weight_packed_scale_zp and biased_topk_cpu through
-    torch.ops._C: cpumoe's bits; a1_scale is refused by name and out is left as it was."""
+    """convert_weight_packed, convert_weight_packed_scale_zp, biased_topk_cpu and
+    hash_topk_cpu through torch.ops._C: cpumoe's bits; a1_scale is refused by name and out is left as it was."""
     run_child(prefix=VLLM_CALL, body="""
         import cpumoe.vllm
         c, cm = torch.ops._C, torch.ops.cpumoe
@@ -522,6 +527,10 @@ def test_vllm_packers_routing_and_errors():
         for args in ((x, logits, bias, 6, True, "sqrtsoftplus", 0, 1.5, True),
                      (x, logits, bias, 7, True, "sigmoid", 1, 2.5, False)):
             assert same(c.biased_topk_cpu(*args), cm.biased_topk_cpu(*args)), args
+        table = torch.randint(0, 32, (7, 5), dtype=torch.int32)
+        for args in ((logits, table, 5, "sqrtsoftplus", 0, 32, 1.5),
+                     (logits.half(), table, 6, "sigmoid", 2, 32, 2.5)):
+            assert same(c.hash_topk_cpu(*args), cm.hash_topk_cpu(*args)), args
         E, N, K = 4, 32, 64
         u1, u2, _ = make_scheme_weights(0, E, N, K)
         tw, ti = make_routing(7, E, 2)
@@ -595,7 +604,7 @@ def test_vllm_ops_of_vllm_stay_vllms():
     cpumoe.vllm would register are the ones vLLM registered."""
     run_child(prefix=VLLM_LOADED, body="""
         candidates = ["fused_experts_cpu", "convert_weight_packed", "convert_scale_packed",
-                      "convert_weight_packed_scale_zp", "biased_topk_cpu"]
+                      "convert_weight_packed_scale_zp", "biased_topk_cpu", "hash_topk_cpu"]
         names = [n for n in candidates if torch._C._jit_get_schemas_for_operator("_C::" + n)]
         assert "fused_experts_cpu" in names, names
         before = {n: torch._C._dispatch_dump("_C::" + n) for n in names}

@@ -141,4 +141,11 @@ std::tuple<at::Tensor, at::Tensor> biased_topk_cpu(
     const std::string &scoring_func, int64_t num_fused_shared_experts,
     std::optional<double> routed_scaling_factor, bool apply_routed_scaling_factor_on_output);
 
+// both libraries' schema (DeepSeek-V4's hash-routed layers: experts from a token-id table)
+std::tuple<at::Tensor, at::Tensor> hash_topk_cpu(const at::Tensor &gating_output,
+                                                 const at::Tensor &tid2eid, int64_t topk,
+                                                 const std::string &scoring_func,
+                                                 int64_t num_fused_shared_experts,
+                                                 int64_t num_experts, double routed_scaling_factor);
+
 }  // namespace cpumoe::bindings

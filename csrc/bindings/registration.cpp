@@ -59,7 +59,7 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def(
       "int4_scaled_mm_cpu(Tensor x, Tensor w, Tensor w_zeros, Tensor w_scales, Tensor? bias) -> "
       "Tensor");
-  // routing before the experts: SGLang's four ops, vLLM's biased_topk_cpu
+  // routing before the experts: SGLang's four ops, vLLM's biased_topk_cpu, both's hash_topk_cpu
   m.def(
       "topk_softmax_cpu(Tensor hidden_states, Tensor gating_output, int topk, bool renormalize) "
       "-> (Tensor, Tensor)");
@@ -79,6 +79,10 @@ TORCH_LIBRARY(cpumoe, m) {
       "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, int "
       "topk, bool renormalize, str scoring_func, int num_fused_shared_experts, float? "
       "routed_scaling_factor, bool apply_routed_scaling_factor_on_output) -> (Tensor, Tensor)");
+  m.def(
+      "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, int "
+      "num_fused_shared_experts, int num_experts, float routed_scaling_factor) -> (Tensor, "
+      "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
@@ -102,6 +106,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("grouped_topk_cpu", &ops::grouped_topk_cpu);
   m.impl("biased_grouped_topk_cpu", &ops::biased_grouped_topk_cpu);
   m.impl("biased_topk_cpu", &ops::biased_topk_cpu);
+  m.impl("hash_topk_cpu", &ops::hash_topk_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,8 +1,9 @@
 // torch.ops.cpumoe.topk_softmax_cpu, topk_sigmoid_cpu, grouped_topk_cpu and
-// biased_grouped_topk_cpu (SGLang's schemas) and biased_topk_cpu (vLLM's): the router's top-k
-// before the experts, run by the C core's cpumoe_gating (docs/MATH.md, "Routing"). Each op
-// checks its arguments in the order docs/ERRORS.md lists them and returns (topk_weights
-// float32 [M, topk], topk_ids int32 [M, topk]); hidden_states only gives M.
+// biased_grouped_topk_cpu (SGLang's schemas), biased_topk_cpu (vLLM's) and hash_topk_cpu
+// (both's): the router's top-k before the experts, run by the C core's cpumoe_gating
+// (docs/MATH.md, "Routing"). Each op checks its arguments in the order docs/ERRORS.md lists
+// them and returns (topk_weights float32 [M, topk], topk_ids int32 [M, topk]); hidden_states
+// only gives M (hash_topk_cpu has none: gating_output's rows do).
 #include <ATen/EmptyTensor.h>
 
 #include <cmath>
@@ -23,20 +24,23 @@ bool core_float(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
-// The common arguments: hidden_states [M, *] (only its row count is used) and gating_output
-// [M, E] (made contiguous; the returned tensor holds the copy). Sets M, E and the logits.
-at::Tensor check_logits(const at::Tensor &hidden_states, const at::Tensor &gating_output,
+// The common arguments: hidden_states [M, *] (only its row count is used; NULL for an op
+// without it, whose M is gating_output's rows) and gating_output [M, E] (made contiguous;
+// the returned tensor holds the copy). Sets M, E and the logits.
+at::Tensor check_logits(const at::Tensor *hidden_states, const at::Tensor &gating_output,
                         cpumoe_gating_problem &p, const char *op) {
-  check_cpu_tensor(hidden_states, "hidden_states", op);
-  TORCH_CHECK(hidden_states.dim() == 2, op,
-              ": hidden_states must be a 2-D tensor [M, K], got shape ", hidden_states.sizes());
+  if (hidden_states) {
+    check_cpu_tensor(*hidden_states, "hidden_states", op);
+    TORCH_CHECK(hidden_states->dim() == 2, op,
+                ": hidden_states must be a 2-D tensor [M, K], got shape ", hidden_states->sizes());
+  }
   check_cpu_tensor(gating_output, "gating_output", op);
   TORCH_CHECK(gating_output.dim() == 2, op,
               ": gating_output must be a 2-D tensor [M, E], got shape ", gating_output.sizes());
   TORCH_CHECK(core_float(gating_output.scalar_type()), op,
               ": gating_output must be float32, bfloat16 or float16, got ",
               dtype_name(gating_output.scalar_type()));
-  p.M = hidden_states.size(0);
+  p.M = hidden_states ? hidden_states->size(0) : gating_output.size(0);
   TORCH_CHECK(gating_output.size(0) == p.M, op,
               ": gating_output must have M = hidden_states.size(0) = ", p.M, " rows, got shape ",
               gating_output.sizes());
@@ -153,7 +157,7 @@ RoutingResult plain_topk(const at::Tensor &hidden_states, const at::Tensor &gati
                          int64_t topk, bool renormalize, cpumoe_gating_score score,
                          const char *op) {
   cpumoe_gating_problem p{};
-  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
+  const at::Tensor logits = check_logits(&hidden_states, gating_output, p, op);
   check_topk(topk, p, op);
   p.score = score;
   p.renormalize = renormalize;
@@ -170,7 +174,7 @@ RoutingResult grouped_topk(const at::Tensor &hidden_states, const at::Tensor &ga
                            std::optional<double> routed_scaling_factor,
                            const std::optional<at::Tensor> &num_token_non_padded, const char *op) {
   cpumoe_gating_problem p{};
-  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
+  const at::Tensor logits = check_logits(&hidden_states, gating_output, p, op);
   const at::Tensor bias = correction_bias ? check_bias(*correction_bias, p, op) : at::Tensor();
   check_groups(num_expert_group, topk_group, p, op);
   check_scaling(num_fused_shared_experts, routed_scaling_factor, p, op);
@@ -226,7 +230,7 @@ RoutingResult biased_topk_cpu(const at::Tensor &hidden_states, const at::Tensor 
                               bool apply_routed_scaling_factor_on_output) {
   const char *op = "biased_topk_cpu";
   cpumoe_gating_problem p{};
-  const at::Tensor logits = check_logits(hidden_states, gating_output, p, op);
+  const at::Tensor logits = check_logits(&hidden_states, gating_output, p, op);
   const at::Tensor bias = check_bias(correction_bias, p, op);
   TORCH_CHECK(scoring_func == "sigmoid" || scoring_func == "sqrtsoftplus", op,
               ": scoring_func must be 'sigmoid' or 'sqrtsoftplus', got '", scoring_func, "'");
@@ -238,6 +242,45 @@ RoutingResult biased_topk_cpu(const at::Tensor &hidden_states, const at::Tensor 
   p.group_score = CPUMOE_GROUP_MAX;
   p.renormalize = renormalize;
   p.scale_output = apply_routed_scaling_factor_on_output;
+  return run(p, op);
+}
+
+RoutingResult hash_topk_cpu(const at::Tensor &gating_output, const at::Tensor &tid2eid,
+                            int64_t topk, const std::string &scoring_func,
+                            int64_t num_fused_shared_experts, int64_t num_experts,
+                            double routed_scaling_factor) {
+  const char *op = "hash_topk_cpu";
+  cpumoe_gating_problem p{};
+  const at::Tensor logits = check_logits(nullptr, gating_output, p, op);
+  TORCH_CHECK(num_experts == p.E, op, ": num_experts = ", num_experts,
+              " must equal gating_output.size(1) = ", p.E);
+  TORCH_CHECK(
+      scoring_func == "softmax" || scoring_func == "sigmoid" || scoring_func == "sqrtsoftplus", op,
+      ": scoring_func must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '", scoring_func, "'");
+  // the factor only weighs a fused shared slot; without one it is not read
+  check_scaling(
+      num_fused_shared_experts,
+      num_fused_shared_experts > 0 ? std::optional<double>(routed_scaling_factor) : std::nullopt, p,
+      op);
+  TORCH_CHECK(topk >= 1, op, ": topk must be at least 1, got ", topk);
+  TORCH_CHECK(p.num_shared == 0 || topk >= 2, op, ": topk = ", topk,
+              " leaves no routed slot (num_fused_shared_experts = ", p.num_shared,
+              " takes the last slot)");
+  p.topk = topk;
+  const int64_t routed = topk - (p.num_shared > 0);
+  check_cpu_tensor(tid2eid, "tid2eid", op);
+  TORCH_CHECK(tid2eid.scalar_type() == at::kInt, op, ": tid2eid must be int32, got ",
+              dtype_name(tid2eid.scalar_type()));
+  TORCH_CHECK(tid2eid.dim() == 2 && tid2eid.size(0) == p.M && tid2eid.size(1) == routed, op,
+              ": tid2eid must have shape [M, ", routed, "] = [gating_output.size(0), topk",
+              p.num_shared > 0 ? " - 1" : "", "], got ", tid2eid.sizes());
+  const at::Tensor table = tid2eid.contiguous();
+  p.tid2eid = table.data_ptr<int32_t>();
+  p.score = scoring_func == "softmax"   ? CPUMOE_SCORE_SOFTMAX
+            : scoring_func == "sigmoid" ? CPUMOE_SCORE_SIGMOID
+                                        : CPUMOE_SCORE_SQRTSOFTPLUS;
+  p.group_score = CPUMOE_GROUP_MAX;
+  p.renormalize = p.score != CPUMOE_SCORE_SOFTMAX;  // softmax weights already sum to 1 over E
   return run(p, op);
 }
 

@@ -14,8 +14,8 @@ Importing the package registers the ops under ``torch.ops.cpumoe``:
 * the dense linear ops on the same kernels: ``weight_packed_linear``,
   ``int8_scaled_mm_with_quant``, ``fp8_scaled_mm_cpu``, ``int4_scaled_mm_cpu``,
 * the routing before the experts: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``,
-  ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas) and
-  ``biased_topk_cpu`` (vLLM's),
+  ``grouped_topk_cpu``, ``biased_grouped_topk_cpu`` (SGLang's schemas),
+  ``biased_topk_cpu`` (vLLM's) and ``hash_topk_cpu`` (both's),
 
 and typed wrappers with the same names in lower case, without ``_cpu``, live here
 (:func:`fused_experts`, :func:`shared_expert`, :func:`convert_weight_packed`,
@@ -48,6 +48,7 @@ from .ops import (
     fused_experts_fp32,
     fused_experts_into,
     grouped_topk,
+    hash_topk,
     int4_scaled_mm,
     int8_scaled_mm_with_quant,
     shared_expert,
@@ -74,6 +75,7 @@ __all__ = [
     "fused_experts_fp32",
     "fused_experts_into",
     "grouped_topk",
+    "hash_topk",
     "int4_scaled_mm",
     "int8_scaled_mm_with_quant",
     "isa",

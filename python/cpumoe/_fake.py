@@ -115,23 +115,24 @@ def _convert_weight_packed_scale_zp_fake(weight, qzeros, scales, quant_method_4b
 
 def _register_routing_fake(op):
     """The fake kernel of a routing op: (topk_weights float32, topk_ids int32) [M, topk], as
-    the real op returns them; every tensor argument must be on hidden_states' device."""
+    the real op returns them, M the rows of its first tensor (hidden_states, or
+    gating_output for hash_topk_cpu); every tensor argument must be on that one's device."""
     names = [a.name for a in getattr(torch.ops.cpumoe, op).default._schema.arguments]
 
     def fake(*args, **kwargs):
         bound = {**dict(zip(names, args)), **kwargs}
-        hidden_states = bound.pop("hidden_states")
-        _same_device(op, hidden_states,
+        first = bound.pop(names[0])
+        _same_device(op, first, first_name=names[0],
                      **{k: v for k, v in bound.items() if isinstance(v, torch.Tensor)})
-        M, topk = hidden_states.shape[0], bound["topk"]
-        return (hidden_states.new_empty((M, topk), dtype=torch.float32),
-                hidden_states.new_empty((M, topk), dtype=torch.int32))
+        M, topk = first.shape[0], bound["topk"]
+        return (first.new_empty((M, topk), dtype=torch.float32),
+                first.new_empty((M, topk), dtype=torch.int32))
 
     torch.library.register_fake(f"cpumoe::{op}")(fake)
 
 
 for _op in ("topk_softmax_cpu", "topk_sigmoid_cpu", "grouped_topk_cpu", "biased_grouped_topk_cpu",
-            "biased_topk_cpu"):
+            "biased_topk_cpu", "hash_topk_cpu"):
     _register_routing_fake(_op)
 
 

@@ -360,6 +360,32 @@ def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
         bool(apply_routed_scaling_factor_on_output))
 
 
+def hash_topk(gating_output: torch.Tensor, tid2eid: torch.Tensor, topk: int, *,
+              scoring_func: str = "sqrtsoftplus", num_fused_shared_experts: int = 0,
+              routed_scaling_factor: float = 1.0) -> Routing:
+    """Hash routing (``hash_topk_cpu`` of vLLM and SGLang; DeepSeek-V4's first layers): each
+    token's experts come from a table indexed by its input id, not from a top-k.
+
+    Args:
+        gating_output: router logits ``[M, E]``, float32, bfloat16 or float16.
+        tid2eid: int32 ``[M, R]``, the table rows of the tokens' ids (the caller indexes
+            the model's table by ``input_ids``); every id in ``[0, E)``, any strides.
+            ``R = topk`` without a fused shared expert, ``topk - 1`` with one.
+        scoring_func: ``"softmax"``, ``"sigmoid"`` or ``"sqrtsoftplus"`` (sqrt(softplus(x))).
+        num_fused_shared_experts: > 0 makes the last slot a fused shared expert: id
+            ``E + m % num_fused_shared_experts`` for token row m, weight (sum of the routed
+            weights) / ``routed_scaling_factor`` (then finite and non-zero; unused otherwise).
+
+    Slot j < R holds expert ``tid2eid[m, j]`` with weight ``score[m, tid2eid[m, j]]``;
+    sigmoid and sqrtsoftplus weights are divided by their sum when it is > 0 (softmax
+    weights are left as they are).
+    """
+    return torch.ops.cpumoe.hash_topk_cpu(
+        gating_output, tid2eid, int(topk), str(scoring_func), int(num_fused_shared_experts),
+        int(gating_output.shape[1]) if gating_output.dim() == 2 else -1,
+        float(routed_scaling_factor))
+
+
 # ---------------------------------------------------------------------------------------
 # Dense linear layers: SGLang's four ops for the layers around the experts (attention
 # projections, dense MLPs, lm_head), on the experts' own kernels: each is the first GEMM of

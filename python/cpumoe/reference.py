@@ -579,7 +579,7 @@ def pack_vnni4_int8(weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------
 # Routing: the ops before the experts (topk_softmax_cpu, topk_sigmoid_cpu, grouped_topk_cpu,
-# biased_grouped_topk_cpu, biased_topk_cpu). Every step is written in the kernels' fp32
+# biased_grouped_topk_cpu, biased_topk_cpu, hash_topk_cpu). Every step is written in the kernels' fp32
 # operation order; only the three score functions below are torch's. Swapped for the
 # kernels' own (tests/exact_reference.py, kernel_gating), this reference gives their bits.
 
@@ -757,3 +757,37 @@ def biased_topk(hidden_states, gating_output, correction_bias, topk, renormalize
                  renormalize=renormalize, num_fused_shared_experts=num_fused_shared_experts,
                  routed_scaling_factor=routed_scaling_factor,
                  scale_output=apply_routed_scaling_factor_on_output)
+
+
+def hash_topk(gating_output, tid2eid, topk, scoring_func, num_fused_shared_experts,
+              num_experts, routed_scaling_factor):
+    """Reference of ``hash_topk_cpu`` (DeepSeek-V4's hash-routed layers): the routed experts
+    of token m are ``tid2eid[m]`` (R = topk, or topk - 1 with a fused shared expert), not
+    a top-k. Per token:
+
+    1. scores ``s`` (:func:`routing_scores`) of the logits in fp32;
+    2. slot j < R: id ``tid2eid[m, j]``, weight ``s[id]``;
+    3. sigmoid and sqrtsoftplus (not softmax): with S the weights' sum in slot order, every
+       weight times ``1 / S`` when S > 0;
+    4. with fused shared experts, the last slot: id ``E + m % num_fused_shared_experts``,
+       weight (sum of the R weights after step 3, in slot order) /
+       ``routed_scaling_factor``.
+    """
+    x = gating_output.float()
+    M, E = x.shape
+    assert num_experts == E
+    s = routing_scores(x, scoring_func)
+    ids = tid2eid.long()
+    w = s.gather(1, ids)
+    if scoring_func != "softmax":
+        total = _sum_in_order(w)
+        one = _f32(1.0)
+        c = torch.where(total > 0, one / total, one)
+        w = w * c[:, None]
+    if num_fused_shared_experts > 0:
+        shared = (torch.arange(M) % num_fused_shared_experts + E)[:, None]
+        ids = torch.cat([ids, shared], dim=1)
+        shared_w = _sum_in_order(w) / _f32(routed_scaling_factor)
+        w = torch.cat([w, shared_w[:, None]], dim=1)
+    assert w.shape[1] == topk
+    return w, ids.to(torch.int32)

@@ -11,7 +11,7 @@ same arguments (docs/SGLANG.md, "The one-line switch"):
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``, and ``convert_scale_packed``
   (MXFP4 scales) when cpumoe has it;
 * the routing: ``topk_softmax_cpu``, ``topk_sigmoid_cpu``, ``grouped_topk_cpu``,
-  ``biased_grouped_topk_cpu``;
+  ``biased_grouped_topk_cpu``, and ``hash_topk_cpu`` (DeepSeek-V4's hash-routed layers);
 * the dense linear ops a model's other layers call on the same packed weights:
   ``weight_packed_linear``, ``int8_scaled_mm_with_quant``, ``fp8_scaled_mm_cpu``,
   ``int4_scaled_mm_cpu``.
@@ -97,6 +97,10 @@ SCHEMAS = {
         "Tensor correction_bias, int topk, bool renormalize, int num_expert_group, "
         "int topk_group, int num_fused_shared_experts, float? routed_scaling_factor, "
         "Tensor? num_token_non_padded) -> (Tensor, Tensor)"),
+    "hash_topk_cpu": (
+        "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
+        "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) "
+        "-> (Tensor, Tensor)"),
     "weight_packed_linear": (
         "weight_packed_linear(Tensor mat1, Tensor mat2, Tensor? bias, bool is_vnni) -> Tensor"),
     "int8_scaled_mm_with_quant": (
@@ -130,6 +134,7 @@ def forwards():
         "topk_sigmoid_cpu": ops.topk_sigmoid_cpu.default,
         "grouped_topk_cpu": ops.grouped_topk_cpu.default,
         "biased_grouped_topk_cpu": ops.biased_grouped_topk_cpu.default,
+        "hash_topk_cpu": ops.hash_topk_cpu.default,
         "weight_packed_linear": ops.weight_packed_linear.default,
         "int8_scaled_mm_with_quant": ops.int8_scaled_mm_with_quant.default,
         "fp8_scaled_mm_cpu": ops.fp8_scaled_mm_cpu.default,

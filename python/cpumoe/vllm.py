@@ -8,8 +8,9 @@ CPU MoE layers and router call, with vLLM's schemas, each forwarding to the
   vLLM's own FP8 W8A8 MoE, which cpumoe rejects, returns nothing);
 * ``convert_weight_packed``, ``convert_weight_packed_scale_zp``, and ``convert_scale_packed``
   (MXFP4 scales) when cpumoe has it;
-* ``biased_topk_cpu`` (the routing of DeepSeek-V4 in vLLM's CPU router; its other routings
-  are plain torch, and ``hash_topk_cpu`` has no cpumoe counterpart).
+* ``biased_topk_cpu`` and ``hash_topk_cpu`` (the routings of DeepSeek-V4 in vLLM's CPU
+  router: its learned layers and its hash-routed first layers; its other routings are plain
+  torch).
 
 vLLM's CPU build registers these itself only where it is compiled for AVX512-BF16 (its
 ``_C.abi3.so``); its AVX2 and AVX-512 builds, or no vLLM at all, lack them, and then this
@@ -63,6 +64,10 @@ SCHEMAS = {
         "int topk, bool renormalize, str scoring_func, int num_fused_shared_experts, "
         "float? routed_scaling_factor, bool apply_routed_scaling_factor_on_output) "
         "-> (Tensor, Tensor)"),
+    "hash_topk_cpu": (
+        "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
+        "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) "
+        "-> (Tensor, Tensor)"),
 }
 
 # An op every build of vLLM's kernel library registers: its presence means the library is
@@ -79,6 +84,7 @@ def forwards():
         "convert_weight_packed": ops.convert_weight_packed.default,
         "convert_weight_packed_scale_zp": ops.convert_weight_packed_scale_zp.default,
         "biased_topk_cpu": ops.biased_topk_cpu.default,
+        "hash_topk_cpu": ops.hash_topk_cpu.default,
     }
     if hasattr(ops, "convert_scale_packed"):
         targets["convert_scale_packed"] = ops.convert_scale_packed.default

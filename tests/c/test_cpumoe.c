@@ -1782,6 +1782,7 @@ typedef struct gating_case {
   float factor; /* 0: none */
   int scale_output;
   int64_t padding; /* rows at the end that are padding */
+  int hashed;      /* hash routing: the ids from a tid2eid table of random ids (repeats too) */
 } gating_case;
 
 #define SOFTMAX CPUMOE_SCORE_SOFTMAX
@@ -1803,6 +1804,9 @@ static const gating_case g_gating_cases[] = {
     {"groups of one", 12, 24, 5, 24, 6, SIGMOID, GTOP2, BF16, 1, F32, 0, 0, 0, 0, 0},
     {"E = 1", 3, 1, 1, 1, 1, SOFTMAX, GMAX, F16, 0, F32, 1, 0, 0, 0, 0},
     {"many tokens", 300, 64, 6, 8, 2, SOFTMAX, GMAX, F32, 0, F32, 1, 0, 0, 0, 0},
+    {"dsv4 hash", 37, 256, 7, 1, 1, SQRTSP, GMAX, BF16, 0, F32, 1, 1, 1.5f, 0, 0, 1},
+    {"hash softmax", 20, 64, 6, 1, 1, SOFTMAX, GMAX, F16, 0, F32, 0, 0, 0, 0, 0, 1},
+    {"hash R > E", 9, 5, 9, 1, 1, SIGMOID, GMAX, F32, 0, F32, 1, 3, 2.0f, 0, 0, 1},
 };
 
 typedef struct gating_data {
@@ -1810,6 +1814,7 @@ typedef struct gating_data {
   cpumoe_gating_problem p;
   void *logits, *bias;
   double *x, *b;  /* the values, as the op reads them */
+  int32_t *table; /* [M, R] the hash table's rows, or NULL */
   float *weights; /* out */
   int32_t *ids;   /* out */
 } gating_data;
@@ -1858,6 +1863,9 @@ static void make_gating_data(const gating_case *c, gating_data *d) {
       }
     }
   }
+  const int64_t R = c->topk - (c->num_shared > 0);
+  d->table = c->hashed ? xmalloc((size_t)(M * R) * sizeof(int32_t)) : NULL;
+  for (int64_t i = 0; c->hashed && i < M * R; i++) d->table[i] = (int32_t)rnd_below(E);
   d->weights = xmalloc((size_t)(M * c->topk) * sizeof(float));
   d->ids = xmalloc((size_t)(M * c->topk) * sizeof(int32_t));
   d->p = (cpumoe_gating_problem){
@@ -1880,11 +1888,13 @@ static void make_gating_data(const gating_case *c, gating_data *d) {
       .scale_output = c->scale_output,
       .topk_weights = d->weights,
       .topk_ids = d->ids,
+      .tid2eid = d->table,
   };
 }
 
 static void free_gating_data(gating_data *d) {
-  free(d->logits), free(d->x), free(d->bias), free(d->b), free(d->weights), free(d->ids);
+  free(d->logits), free(d->x), free(d->bias), free(d->b), free(d->table), free(d->weights);
+  free(d->ids);
 }
 
 static double score_of(cpumoe_gating_score score, double x) {
@@ -1893,9 +1903,9 @@ static double score_of(cpumoe_gating_score score, double x) {
   return exp(x); /* softmax: normalized by the caller */
 }
 
-/* The routing restated in double: the expert ids best first (ids[R]) and each expert's
- * score (s[E]); returns the smallest gap between a kept and a dropped rank (group and
- * expert), below which the op's fp32 ranks may order differently. */
+/* The routing restated in double: the expert ids best first (ids[R]; a hashed case's table
+ * row) and each expert's score (s[E]); returns the smallest gap between a kept and a dropped
+ * rank (group and expert), below which the op's fp32 ranks may order differently. */
 static double gating_restated(const gating_data *d, int64_t m, int32_t *ids, double *s) {
   const gating_case *c = d->c;
   const int64_t E = c->E, gs = E / c->groups, R = c->topk - (c->num_shared > 0);
@@ -1904,6 +1914,10 @@ static double gating_restated(const gating_data *d, int64_t m, int32_t *ids, dou
   for (int64_t e = 0; e < E; e++) sum += s[e] = score_of(c->score, x[e]);
   if (c->score == SOFTMAX)
     for (int64_t e = 0; e < E; e++) s[e] /= sum;
+  if (c->hashed) {
+    for (int64_t j = 0; j < R; j++) ids[j] = d->table[m * R + j];
+    return INFINITY;
+  }
   double *rank = xmalloc((size_t)E * sizeof(double));
   for (int64_t e = 0; e < E; e++) rank[e] = c->biased ? s[e] + d->b[e] : x[e];
   /* groups kept: selection by repeated max (ties: lower index) */
@@ -2067,7 +2081,7 @@ static void test_gating(void) {
 /* Each rejected routing problem: its status and a message of its own naming the field. */
 static void test_gating_errors(void) {
   static float logits[4 * 8], weights[4 * 2];
-  static int32_t ids[4 * 2];
+  static int32_t ids[4 * 2], table[4 * 2] = {0, 1, 2, 3, 4, 5, 6, 7};
   static char ws[1 << 16];
   const cpumoe_gating_problem base = {
       .M = 4,
@@ -2119,6 +2133,21 @@ static void test_gating_errors(void) {
                  p.routed_scaling_factor = 2.5f),
                 CPUMOE_EINVAL, "shared slot");
   REJECT_GATING("NULL logits", p.logits = NULL, CPUMOE_EINVAL, "NULL");
+  REJECT_GATING("tid2eid with groups", p.tid2eid = table, CPUMOE_EINVAL, "no groups");
+  REJECT_GATING("tid2eid with a bias",
+                (p.tid2eid = table, p.groups = p.topk_groups = 1, p.bias = logits), CPUMOE_EINVAL,
+                "no bias");
+  REJECT_GATING("tid2eid topk 1 with shared",
+                (p.tid2eid = table, p.groups = p.topk_groups = 1, p.topk = 1, p.num_shared = 1,
+                 p.has_routed_scaling_factor = 1, p.routed_scaling_factor = 2.5f),
+                CPUMOE_EINVAL, "shared slot");
+  table[5] = 8; /* row 2, slot 1: E */
+  REJECT_GATING("tid2eid id E", (p.tid2eid = table, p.groups = p.topk_groups = 1), CPUMOE_EINVAL,
+                "tid2eid[2, 1] = 8");
+  table[5] = -1;
+  REJECT_GATING("tid2eid id -1", (p.tid2eid = table, p.groups = p.topk_groups = 1), CPUMOE_EINVAL,
+                "tid2eid[2, 1] = -1");
+  table[5] = 5;
   REJECT_GATING("sizes", (p.M = INT64_C(1) << 61, p.M_valid = 0, p.groups = 1, p.topk_groups = 1),
                 CPUMOE_EINVAL, "bytes");
 #undef REJECT_GATING

@@ -212,8 +212,8 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *problem, void *workspac
 
 /* ---- routing (gating) -----------------------------------------------------------
  * The router's top-k before the experts (SGLang's topk_softmax_cpu, topk_sigmoid_cpu,
- * grouped_topk_cpu, biased_grouped_topk_cpu; vLLM's biased_topk_cpu; docs/MATH.md,
- * "Routing"). Per token m, with x = logits[m] in fp32:
+ * grouped_topk_cpu, biased_grouped_topk_cpu; vLLM's biased_topk_cpu; both libraries'
+ * hash_topk_cpu; docs/MATH.md, "Routing"). Per token m, with x = logits[m] in fp32:
  *   score[e]  softmax(x) (exp(x - max) * (1 / sum), the sum in expert order), sigmoid(x) or
  *             sqrt(softplus(x));
  *   rank[e]   x[e] without a bias (the order of the exact score), score[e] + bias[e] with one;
@@ -227,6 +227,11 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *problem, void *workspac
  *   scaling   every weight times c = f / S with renormalize, else f, where S is the sum of
  *             the R routed weights in slot order and f = routed_scaling_factor with
  *             scale_output, else 1.
+ * Hash routing (tid2eid given; no bias, no groups): slot j < R of token m is expert
+ * tid2eid[m R + j] (any of [0, E), repeats allowed, R may exceed E) with weight score[id];
+ * with renormalize the R weights are multiplied by c = f / S only when S > 0 (else by f),
+ * and the fused shared slot's weight is the sum, in slot order, of the R weights so
+ * scaled, divided by routed_scaling_factor.
  * Rows m >= M_valid (padding) get ids -1 and weights 0. Results are identical for any
  * runner and on every ISA tier. */
 /* out[i] = the activation of (gate[i], up[i]) as the active tier's fused MoE computes it on
@@ -267,6 +272,7 @@ typedef struct cpumoe_gating_problem {
   int scale_output;            /* multiply the weights by it (needs it given) */
   float *topk_weights;         /* out [M, topk] */
   int32_t *topk_ids;           /* out [M, topk] */
+  const int32_t *tid2eid;      /* [M, R] dense, ids in [0, E), or NULL: hash routing */
 } cpumoe_gating_problem;
 
 /* Bytes of workspace cpumoe_gating needs for this problem run with `runner` (its scratch is

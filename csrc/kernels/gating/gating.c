@@ -12,7 +12,8 @@
  *           (x[e] unbiased, s[e] + bias[e] biased; NaN ranks as -inf); with groups, each
  *           group's score and the topk_groups best groups; the R best experts of those
  *           groups (best_k: sorted insertion for a small R, a heap beyond); weights s[id],
- *           the fused shared slot, scaling.
+ *           the fused shared slot, scaling. Hash routing (a tid2eid table) takes the R ids
+ *           from the token's table row instead of ranking (weigh_table_row).
  * ORDER     "before" is a total order: higher rank first, equal ranks by lower index; so the
  *           result never depends on the order candidates are visited in. Sums run in slot
  *           order (the softmax sum in expert order), fp32, from +0.
@@ -196,6 +197,32 @@ static float group_score(const gating_run *g, const float *rank, int64_t group) 
   return rank_of(best + second); /* +inf + -inf is NaN: ranks as -inf */
 }
 
+/* Hash routing: the R ids of the token's table row, weights their scores; renormalized only
+ * when their sum S is > 0 (the scores are never 0, so a NaN sum is what fails: the row keeps
+ * its scores); the fused shared slot weighs the sum of the routed weights as they end, over
+ * the routed scaling factor. */
+static void weigh_table_row(const gating_run *g, int64_t m, const float *s, float *w, int32_t *id) {
+  const cpumoe_gating_problem *p = g->p;
+  const int64_t R = g->routed;
+  const int32_t *row = p->tid2eid + m * R;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < R; j++) {
+    id[j] = row[j];
+    w[j] = s[row[j]];
+    sum += w[j];
+  }
+  const float c = p->renormalize && sum > 0.0f ? g->factor / sum : g->factor;
+  float routed_sum = 0.0f;
+  for (int64_t j = 0; j < R; j++) {
+    w[j] *= c;
+    routed_sum += w[j];
+  }
+  if (p->num_shared > 0) {
+    id[p->topk - 1] = (int32_t)(p->E + m % p->num_shared);
+    w[p->topk - 1] = routed_sum / p->routed_scaling_factor;
+  }
+}
+
 static void route_token(const gating_run *g, int64_t m, float *x, float *s, float *rk,
                         float *gscore, int32_t *gsel) {
   const cpumoe_gating_problem *p = g->p;
@@ -208,6 +235,10 @@ static void route_token(const gating_run *g, int64_t m, float *x, float *s, floa
   }
   const float *xr = logits_row(g, m, x);
   scores(g, xr, s);
+  if (p->tid2eid) {
+    weigh_table_row(g, m, s, w, id);
+    return;
+  }
   const float *rank = xr;
   if (g->bias) {
     for (int64_t e = 0; e < E; e++) rk[e] = s[e] + g->bias[e];
@@ -275,6 +306,18 @@ static int is_float_dtype(cpumoe_dtype d) {
   return d == CPUMOE_DTYPE_F32 || d == CPUMOE_DTYPE_BF16 || d == CPUMOE_DTYPE_F16;
 }
 
+/* Every id of the hash table lies in [0, E): the weights read score[id]. */
+static cpumoe_status check_table(const cpumoe_gating_problem *p, int64_t routed) {
+  for (int64_t m = 0; m < p->M; m++)
+    for (int64_t j = 0; j < routed; j++) {
+      const int32_t e = p->tid2eid[m * routed + j];
+      if (e < 0 || e >= p->E)
+        return cm_fail(CPUMOE_EINVAL, "tid2eid[%lld, %lld] = %d lies outside [0, E = %lld)",
+                       (long long)m, (long long)j, (int)e, (long long)p->E);
+    }
+  return CPUMOE_OK;
+}
+
 static cpumoe_status validate(const cpumoe_gating_problem *p) {
   if (!p) return cm_fail(CPUMOE_EINVAL, "problem is NULL");
   if (p->M < 0) return cm_fail(CPUMOE_EINVAL, "M must be >= 0, got %lld", (long long)p->M);
@@ -313,7 +356,13 @@ static cpumoe_status validate(const cpumoe_gating_problem *p) {
                    "slot's weight is the routed weights' sum divided by it)");
   const int64_t routed = p->topk - (p->num_shared > 0);
   const int64_t candidates = p->topk_groups * (p->E / p->groups);
-  if (p->topk < 1 || routed < 1 || routed > candidates)
+  if (p->tid2eid && (p->bias || p->groups > 1))
+    return cm_fail(CPUMOE_EINVAL, "hash routing (tid2eid) takes no bias and no groups");
+  if (p->tid2eid && (p->topk < 1 || routed < 1))
+    return cm_fail(CPUMOE_EINVAL, "topk = %lld must leave at least 1 routed slot%s",
+                   (long long)p->topk,
+                   p->num_shared > 0 ? " (the fused shared slot takes one)" : "");
+  if (!p->tid2eid && (p->topk < 1 || routed < 1 || routed > candidates))
     return cm_fail(CPUMOE_EINVAL,
                    "topk = %lld must leave between 1 and %lld routed slots (the experts of the "
                    "%lld chosen groups%s)",
@@ -327,6 +376,7 @@ static cpumoe_status validate(const cpumoe_gating_problem *p) {
                    (long long)p->M, (long long)p->E, (long long)p->topk);
   if (p->M > 0 && (!p->logits || !p->topk_weights || !p->topk_ids))
     return cm_fail(CPUMOE_EINVAL, "logits, topk_weights and topk_ids must not be NULL");
+  if (p->tid2eid) return check_table(p, routed);
   return CPUMOE_OK;
 }
 
