@@ -216,28 +216,6 @@ def test_gelu_decode_rows(isa, scheme, M):
         assert_matches_exact(run(op), exact(), SCHEMES[scheme])
 
 
-@needs_two_tiers
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_gelu_tiers_agree(scheme):
-    """Tiers of one numerics class give the same bits with GELU as with SiLU."""
-    op, _, _ = scheme_case(scheme, 37, 4, 3, 64, 96, torch.float16, True)
-    outs = {}
-    for tier in SUPPORTED_ISAS:
-        with use_isa(tier):
-            outs[tier] = run(op)
-    assert_tiers_agree(outs, SCHEMES[scheme])
-
-
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_gelu_thread_count_independent(isa, scheme):
-    op, _, _ = scheme_case(scheme, 130, 8, 2, 64, 96, torch.bfloat16, True)
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        outs.append(run(op))
-    assert torch.equal(outs[0], outs[1])
-
-
 # ---------------------------------------------------------------------------------------
 # The 18-argument schema and its errors.
 
@@ -382,11 +360,18 @@ def test_silu_clamp_decode_rows(isa, scheme, M):
         assert_matches_exact(out, exact(), SCHEMES[scheme])
 
 
+# GELU (scheme_case's default) and the clamped silu: the activations added to SiLU·mul
+GATED = {"gelu": None, "silu_clamp": SILU_CLAMP}
+
+
 @needs_two_tiers
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_silu_clamp_tiers_agree(scheme, dt):
-    op, _, _ = scheme_case(scheme, 37, 4, 3, 64, 96, DTYPES[dt], True, SILU_CLAMP)
+@pytest.mark.parametrize("activation", list(GATED))
+def test_gated_tiers_agree(activation, scheme, dt):
+    """Tiers of one numerics class give the same bits with GELU and the clamped silu as
+    with SiLU."""
+    op, _, _ = scheme_case(scheme, 37, 4, 3, 64, 96, DTYPES[dt], True, GATED[activation])
     outs = {}
     for tier in SUPPORTED_ISAS:
         with use_isa(tier):
@@ -395,8 +380,9 @@ def test_silu_clamp_tiers_agree(scheme, dt):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_silu_clamp_thread_count_independent(isa, scheme):
-    op, _, _ = scheme_case(scheme, 130, 8, 2, 64, 96, torch.bfloat16, True, SILU_CLAMP)
+@pytest.mark.parametrize("activation", list(GATED))
+def test_gated_thread_count_independent(isa, activation, scheme):
+    op, _, _ = scheme_case(scheme, 130, 8, 2, 64, 96, torch.bfloat16, True, GATED[activation])
     outs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
