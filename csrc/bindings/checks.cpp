@@ -63,6 +63,8 @@ void check_unused(const std::optional<at::Tensor> &tensor, const char *name, con
   TORCH_CHECK(!tensor.has_value(), op, ": ", name, " must be None for ", scheme_label);
 }
 
+namespace {
+
 cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
                                    std::optional<double> alpha, std::optional<double> limit,
                                    const char *op) {
@@ -84,6 +86,15 @@ cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
               ": limit must be >= 0 (not NaN) for the clamped silu (limit without alpha), got ",
               *limit);
   return CPUMOE_ACT_SILU_CLAMP;
+}
+
+}  // namespace
+
+void set_activation(cpumoe_moe_problem &problem, std::optional<c10::string_view> activation,
+                    std::optional<double> alpha, std::optional<double> limit, const char *op) {
+  problem.activation = parse_activation(activation, alpha, limit, op);
+  problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
+  problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
 }
 
 }  // namespace cpumoe::bindings

@@ -37,9 +37,9 @@ void check_mlp_sizes(int64_t K, int64_t N, const char *op);
 // clamped swiglu (GPT-OSS), limit alone the clamped silu (DeepSeek-V4; limit >= 0), alpha
 // alone is an error; otherwise `activation` names the function applied to the gate half,
 // "silu" (also for None) or "gelu". The clamped ones take only None or "silu".
-cpumoe_activation parse_activation(std::optional<c10::string_view> activation,
-                                   std::optional<double> alpha, std::optional<double> limit,
-                                   const char *op);
+// Sets problem's activation, alpha and limit (unset: 0) from the op's arguments.
+void set_activation(cpumoe_moe_problem &problem, std::optional<c10::string_view> activation,
+                    std::optional<double> alpha, std::optional<double> limit, const char *op);
 
 // An optional argument that `scheme_label` does not take must be None.
 void check_unused(const std::optional<at::Tensor> &tensor, const char *name, const char *op,

@@ -109,7 +109,7 @@ at::Tensor run_fused_experts(
 
   const Routing routing = check_routing(topk_weights, topk_ids, problem.M, op);
   check_biases(w1_bias, w2_bias, problem.E, problem.N, problem.K, op);
-  const cpumoe_activation act = parse_activation(activation, alpha, limit, op);
+  set_activation(problem, activation, alpha, limit, op);
 
   at::Tensor out =
       output == Output::kInPlace ? hidden_states
@@ -118,9 +118,6 @@ at::Tensor run_fused_experts(
           : new_output_like(hidden_states);
   problem.out_f32 = output == Output::kFloat32;
   problem.topk = routing.ids.size(1);
-  problem.activation = act;
-  problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
-  problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
   problem.x = hidden_states.data_ptr();
   problem.topk_ids = routing.ids.data_ptr();
   problem.topk_ids_dtype = core_dtype(routing.ids.scalar_type());

@@ -10,18 +10,18 @@
 #include "schemes.h"
 
 namespace cpumoe::bindings {
-namespace {
 
-// Both overloads; the default one passes use_mxfp4=false and no alpha/limit.
-at::Tensor run_shared_expert(const at::Tensor &hidden_states, const at::Tensor &w1,
-                             const at::Tensor &w2,
-                             const std::optional<at::Tensor> &fused_experts_out,
-                             std::optional<double> routed_scaling_factor, bool inplace,
-                             bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
-                             const std::optional<at::Tensor> &w1_scale,
-                             const std::optional<at::Tensor> &w2_scale,
-                             at::OptionalIntArrayRef block_size, std::optional<double> alpha,
-                             std::optional<double> limit, bool is_vnni) {
+// The .mxfp4 overload is the full form; the default one passes use_mxfp4=false and no
+// alpha/limit.
+at::Tensor shared_expert_cpu_mxfp4(const at::Tensor &hidden_states, const at::Tensor &w1,
+                                   const at::Tensor &w2,
+                                   const std::optional<at::Tensor> &fused_experts_out,
+                                   std::optional<double> routed_scaling_factor, bool inplace,
+                                   bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
+                                   const std::optional<at::Tensor> &w1_scale,
+                                   const std::optional<at::Tensor> &w2_scale,
+                                   at::OptionalIntArrayRef block_size, std::optional<double> alpha,
+                                   std::optional<double> limit, bool is_vnni) {
   const char *op = "shared_expert_cpu";
   const SchemeTraits &scheme =
       scheme_for_shared_expert(use_int8_w8a8, use_fp8_w8a16, use_mxfp4, op);
@@ -69,12 +69,9 @@ at::Tensor run_shared_expert(const at::Tensor &hidden_states, const at::Tensor &
                 ": fused_experts_out must have the shape of hidden_states ", hidden_states.sizes(),
                 ", got ", fused_experts_out->sizes());
   }
-  const cpumoe_activation act = parse_activation(std::nullopt, alpha, limit, op);
+  set_activation(problem, std::nullopt, alpha, limit, op);
   at::Tensor out = inplace ? hidden_states : new_output_like(hidden_states);
   problem.E = 1, problem.topk = 1;
-  problem.activation = act;
-  problem.alpha = alpha.has_value() ? static_cast<float>(*alpha) : 0.0f;
-  problem.limit = limit.has_value() ? static_cast<float>(*limit) : 0.0f;
   problem.x = hidden_states.data_ptr();
   if (fused_experts_out.has_value()) {
     problem.residual = fused_experts_out->data_ptr();
@@ -85,30 +82,14 @@ at::Tensor run_shared_expert(const at::Tensor &hidden_states, const at::Tensor &
   return out;
 }
 
-}  // namespace
-
 at::Tensor shared_expert_cpu(
     const at::Tensor &hidden_states, const at::Tensor &w1, const at::Tensor &w2,
     const std::optional<at::Tensor> &fused_experts_out, std::optional<double> routed_scaling_factor,
     bool inplace, bool use_int8_w8a8, bool use_fp8_w8a16, const std::optional<at::Tensor> &w1_scale,
     const std::optional<at::Tensor> &w2_scale, at::OptionalIntArrayRef block_size, bool is_vnni) {
-  return run_shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor, inplace,
-                           use_int8_w8a8, use_fp8_w8a16, false, w1_scale, w2_scale, block_size,
-                           std::nullopt, std::nullopt, is_vnni);
-}
-
-at::Tensor shared_expert_cpu_mxfp4(const at::Tensor &hidden_states, const at::Tensor &w1,
-                                   const at::Tensor &w2,
-                                   const std::optional<at::Tensor> &fused_experts_out,
-                                   std::optional<double> routed_scaling_factor, bool inplace,
-                                   bool use_int8_w8a8, bool use_fp8_w8a16, bool use_mxfp4,
-                                   const std::optional<at::Tensor> &w1_scale,
-                                   const std::optional<at::Tensor> &w2_scale,
-                                   at::OptionalIntArrayRef block_size, std::optional<double> alpha,
-                                   std::optional<double> limit, bool is_vnni) {
-  return run_shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor, inplace,
-                           use_int8_w8a8, use_fp8_w8a16, use_mxfp4, w1_scale, w2_scale, block_size,
-                           alpha, limit, is_vnni);
+  return shared_expert_cpu_mxfp4(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                                 inplace, use_int8_w8a8, use_fp8_w8a16, false, w1_scale, w2_scale,
+                                 block_size, std::nullopt, std::nullopt, is_vnni);
 }
 
 }  // namespace cpumoe::bindings

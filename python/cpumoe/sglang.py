@@ -120,8 +120,7 @@ FAKED_BY_SGLANG = frozenset({"fused_experts_cpu", "shared_expert_cpu", "topk_sof
 
 
 def forwards():
-    """The ops to register, each with the cpumoe overload it forwards to (MXFP4's
-    ``convert_scale_packed`` only when cpumoe has it)."""
+    """The ops to register, each with the cpumoe overload it forwards to."""
     ops = torch.ops.cpumoe
     targets = {
         "fused_experts_cpu": ops.fused_experts_cpu.activation,
@@ -130,6 +129,7 @@ def forwards():
         "shared_expert_cpu.mxfp4": ops.shared_expert_cpu.mxfp4,
         "convert_weight_packed": ops.convert_weight_packed.default,
         "convert_weight_packed_scale_zp": ops.convert_weight_packed_scale_zp.default,
+        "convert_scale_packed": ops.convert_scale_packed.default,
         "topk_softmax_cpu": ops.topk_softmax_cpu.default,
         "topk_sigmoid_cpu": ops.topk_sigmoid_cpu.default,
         "grouped_topk_cpu": ops.grouped_topk_cpu.default,
@@ -140,8 +140,6 @@ def forwards():
         "fp8_scaled_mm_cpu": ops.fp8_scaled_mm_cpu.default,
         "int4_scaled_mm_cpu": ops.int4_scaled_mm_cpu.default,
     }
-    if hasattr(ops, "convert_scale_packed"):
-        targets["convert_scale_packed"] = ops.convert_scale_packed.default
     return [Forward(SCHEMAS[name], target) for name, target in targets.items()]
 
 

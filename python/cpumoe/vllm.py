@@ -76,18 +76,16 @@ VLLM_MARKER_OP = "rms_norm"
 
 
 def forwards():
-    """The ops to register, each with the cpumoe overload it forwards to (MXFP4's
-    ``convert_scale_packed`` only when cpumoe has it)."""
+    """The ops to register, each with the cpumoe overload it forwards to."""
     ops = torch.ops.cpumoe
     targets = {
         "fused_experts_cpu": ops.fused_experts_cpu.out,
         "convert_weight_packed": ops.convert_weight_packed.default,
         "convert_weight_packed_scale_zp": ops.convert_weight_packed_scale_zp.default,
+        "convert_scale_packed": ops.convert_scale_packed.default,
         "biased_topk_cpu": ops.biased_topk_cpu.default,
         "hash_topk_cpu": ops.hash_topk_cpu.default,
     }
-    if hasattr(ops, "convert_scale_packed"):
-        targets["convert_scale_packed"] = ops.convert_scale_packed.default
     return [Forward(SCHEMAS[name], target) for name, target in targets.items()]
 
 
