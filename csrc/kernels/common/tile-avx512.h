@@ -18,6 +18,14 @@
 
 #define CM_INLINE static inline __attribute__((always_inline))
 
+/* Each 16-bit word shifted right by `bits` (1..15), as the high half of its product with
+ * 2^(16 - bits). On the AMX Xeons (docs/PERFORMANCE.md) a 512-bit word shift issues on the
+ * port that also runs every shuffle, permute and saturating add, which the decode loops
+ * already fill; the multiply issues on the other vector port. Same bits as vpsrlw. */
+CM_INLINE __m512i cm_srli_epi16_mul__avx512(__m512i x, const int bits) {
+  return _mm512_mulhi_epu16(x, _mm512_set1_epi16((short)(1u << (16 - bits))));
+}
+
 /* the 4 bytes at p (one u8 k-quad of an A panel row) in every dword lane */
 CM_INLINE __m512i cm_broadcast_dword__avx512(const uint8_t *p) {
   int32_t v;

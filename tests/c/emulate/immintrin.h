@@ -74,6 +74,18 @@ CM_EMU __m512i cm_emu_mm512_cvtepu8_epi16(__m256i a) {
 }
 #define _mm512_cvtepu8_epi16(a) cm_emu_mm512_cvtepu8_epi16(a)
 
+/* vpmulhuw: the high 16 bits of each unsigned word product */
+CM_EMU __m512i cm_emu_mm512_mulhi_epu16(__m512i a, __m512i b) {
+  uint16_t x[32], y[32], out[32];
+  memcpy(x, &a, sizeof x);
+  memcpy(y, &b, sizeof y);
+  for (int j = 0; j < 32; j++) out[j] = (uint16_t)(((uint32_t)x[j] * y[j]) >> 16);
+  __m512i r;
+  memcpy(&r, out, sizeof r);
+  return r;
+}
+#define _mm512_mulhi_epu16(a, b) cm_emu_mm512_mulhi_epu16(a, b)
+
 /* vpcmpeqw into a mask: bit j set when word j of a equals word j of b */
 CM_EMU __mmask32 cm_emu_mm512_cmpeq_epi16_mask(__m512i a, __m512i b) {
   uint16_t x[32], y[32];

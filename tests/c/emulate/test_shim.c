@@ -89,6 +89,16 @@ CM_TARGET void test_conversions(void) {
     ok = 1;
     for (int j = 0; j < 32; j++) ok &= wide[j] == bytes[j];
     check(ok, "_mm512_cvtepu8_epi16: byte j zero-extended", t);
+
+    uint16_t x[32], y[32], hi[32];
+    rnd_bytes(x, sizeof x);
+    rnd_bytes(y, sizeof y);
+    if (t == 0) x[0] = y[0] = 0xffff; /* the largest product */
+    r512 = _mm512_mulhi_epu16(_mm512_loadu_si512(x), _mm512_loadu_si512(y));
+    memcpy(hi, &r512, 64);
+    ok = 1;
+    for (int j = 0; j < 32; j++) ok &= hi[j] == (uint16_t)(((uint32_t)x[j] * y[j]) >> 16);
+    check(ok, "_mm512_mulhi_epu16: high word of the unsigned product", t);
   }
 }
 

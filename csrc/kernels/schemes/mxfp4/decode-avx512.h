@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "common/mxfp4.h"
+#include "common/tile-avx512.h"
 
 /* the code words of common/mxfp4.h twice: vpermw's 32 entries (it also reads index bit 4,
  * which holds the other nibble's lowest bit) */
@@ -53,7 +54,7 @@ static inline __attribute__((always_inline)) void cm_mxfp4_decode_kpair__avx512(
     const uint8_t *bk, __m512i table, __m512i a_lo, __m512i a_hi, __m512i *lo, __m512i *hi) {
   const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bk));
   *lo = cm_mxfp4_lookup__avx512(table, a_lo, x);
-  *hi = cm_mxfp4_lookup__avx512(table, a_hi, _mm512_srli_epi16(x, 4));
+  *hi = cm_mxfp4_lookup__avx512(table, a_hi, cm_srli_epi16_mul__avx512(x, 4));
 }
 
 /* One group (16 k pairs) into bf16 VNNI-2 [16][32][2] at dst: the fast route if the

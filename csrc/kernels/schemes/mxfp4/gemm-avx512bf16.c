@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void decode_spread(const mxfp4_deco
                                                                 __m512bh *b0, __m512bh *b1) {
   *b0 = cm_as_bf16x32__avx512bf16(cm_mxfp4_lookup__avx512(d->table, d->a_lo, x));
   *b1 = cm_as_bf16x32__avx512bf16(
-      cm_mxfp4_lookup__avx512(d->table, d->a_hi, _mm512_srli_epi16(x, 4)));
+      cm_mxfp4_lookup__avx512(d->table, d->a_hi, cm_srli_epi16_mul__avx512(x, 4)));
 }
 
 /* the 64 bytes at p, loaded once (compilers fold a load into each instruction that reads it,
