@@ -19,9 +19,10 @@
 #define CM_INLINE static inline __attribute__((always_inline))
 
 /* Each 16-bit word shifted right by `bits` (1..15), as the high half of its product with
- * 2^(16 - bits). On the AMX Xeons (docs/PERFORMANCE.md) a 512-bit word shift issues on the
- * port that also runs every shuffle, permute and saturating add, which the decode loops
- * already fill; the multiply issues on the other vector port. Same bits as vpsrlw. */
+ * 2^(16 - bits). On the AMX Xeon VM a 512-bit shift issues on the port that also runs every
+ * permute and saturating add, which the decode loops already fill, and the multiply on
+ * either vector port (docs/PERFORMANCE-HISTORY.md, "MXFP4 decode on the AMX tier"). Same
+ * bits as vpsrlw. */
 CM_INLINE __m512i cm_srli_epi16_mul__avx512(__m512i x, const int bits) {
   return _mm512_mulhi_epu16(x, _mm512_set1_epi16((short)(1u << (16 - bits))));
 }

@@ -24,10 +24,13 @@
  * Cost, and why it is spent this way (instruction costs measured on the Xeon of
  * docs/NUMERICS.md): vdpbf16ps zmm issues once per 2 cycles and occupies port 5 for both,
  * the port every shuffle needs (vpermb, vpunpck*: 1 cycle; vpermi2b, vpermt2b: 2). So the
- * decode keeps to 5 port-5 cycles per 64 bytes (one vpermi2b, one vpermb, two unpacks) and
- * puts the rest on port 0 (a shift, two ternary-logic ops, two rotates), where the avx512
- * tier's decode spends ~19 vector uops: per k pair the 2 vdpbf16ps' 4 port-5 cycles plus the
- * decode's 5. Its speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
+ * decode keeps to 5 shuffle cycles per 64 bytes (one vpermi2b, one vpermb, two unpacks) and
+ * two ternary-logic ops, which issue on either vector port, where the avx512 tier's decode
+ * spends ~19 vector uops. Its shift and two rotates, measured later (docs/PERFORMANCE-
+ * HISTORY.md, "MXFP4 decode on the AMX tier"), also issue on the shuffle port: 8 cycles
+ * there per k pair beside the 2 vdpbf16ps. At one row the chain through the accumulators
+ * (two vdpbf16ps per k pair, ~9 cycles each) bounds it first, so a multiply in place of the
+ * shift gained nothing. Its speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
  *
  * Order of the sums (decode kernel): the interleave puts k even in each dword's high half,
  * as in A, and vdpbf16ps adds the high pair's product first, then the low pair's, each a

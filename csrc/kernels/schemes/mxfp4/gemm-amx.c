@@ -42,7 +42,8 @@
 /* The compact A tiles (below), one pair per thread. Rows past a call's mr keep zeros or an
  * earlier call's rows: they only make C rows that are never stored, like the slack rows of
  * a panel. Zeroing them on every call was measured to cost more than it looks: the tile
- * loads wait for those 2 KiB of stores to reach L1 (docs/PERFORMANCE-HISTORY.md, MXFP4). */
+ * loads wait for those 2 KiB of stores to reach L1 (docs/PERFORMANCE-HISTORY.md, "MXFP4
+ * decode on the AMX tier"). */
 static _Thread_local _Alignas(64) uint8_t
     cm_mxfp4_compact_a[2][CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
 
