@@ -32,9 +32,11 @@
  * of the next chunk, which goes to L2: faster at decode, no change at prefill, and 1 KiB
  * gained nothing (docs/PERFORMANCE-HISTORY.md). */
 #define CM_INT8_PREFETCH_L1_BYTES 2048
-/* Read-ahead into L2 for CM_PREFETCH_SELF: the same lines that a whole-chunk share would
- * request (8 KiB ahead, 2 per k-quad), without the cursor's bookkeeping. */
-#define CM_INT8_PREFETCH_L2_BYTES 8192
+/* Read-ahead into L2 for CM_PREFETCH_SELF (decode, and blocks of one panel): 2 lines per
+ * k-quad, 4 KiB ahead. With the weights on huge pages 4 KiB streams faster than the 8 KiB a
+ * whole-chunk share would request: Qwen3 M=1 1.31-1.36 -> 1.26-1.29 ms, prefill unchanged
+ * (docs/PERFORMANCE-HISTORY.md, "Decode read-ahead on huge pages"). */
+#define CM_INT8_PREFETCH_L2_BYTES 4096
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *restrict a, size_t as,

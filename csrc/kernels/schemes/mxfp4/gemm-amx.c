@@ -31,11 +31,12 @@
 #include "common/ukernels.h"
 #include "schemes/mxfp4/decode-avx512.h"
 
-/* Read-ahead of the codes, a group (8 lines) at a time: into L1 2 groups ahead, into L2 16
- * groups (8 KiB) ahead, as the vector decode kernels' distances (a stream from memory needs
- * more misses in flight than the hardware prefetchers keep) */
+/* Read-ahead of the codes, a group (8 lines) at a time: into L1 2 groups ahead, into L2 8
+ * groups (4 KiB) ahead (a stream from memory needs more misses in flight than the hardware
+ * prefetchers keep; 4 KiB measured 2-3 % faster than 8 KiB at M=1 with the weights on huge
+ * pages: docs/PERFORMANCE-HISTORY.md, "Decode read-ahead on huge pages") */
 #define CM_MXFP4_AMX_PF_L1_BYTES 1024
-#define CM_MXFP4_AMX_PF_L2_BYTES 8192
+#define CM_MXFP4_AMX_PF_L2_BYTES 4096
 /* Panels of up to this many rows go through a compact A tile (below) */
 #define CM_MXFP4_AMX_COMPACT_ROWS 4
 
