@@ -27,10 +27,10 @@
  * decode keeps to 5 shuffle cycles per 64 bytes (one vpermi2b, one vpermb, two unpacks) and
  * two ternary-logic ops, which issue on either vector port, where the avx512 tier's decode
  * spends ~19 vector uops. Its shift and two rotates, measured later (docs/PERFORMANCE-
- * HISTORY.md, "MXFP4 decode on the AMX tier"), also issue on the shuffle port: about 8
- * cycles there per k pair, which bound the kernel (1 to 4 rows take the same time per byte;
- * a multiply in place of the shift did not show). Its speed against the avx512 kernel:
- * docs/PERFORMANCE-HISTORY.md.
+ * HISTORY.md, "MXFP4 decode on the AMX tier"), also issue on the shuffle port. At one row
+ * that port and the two accumulator chains (one vdpbf16ps per k pair each, ~9 cycles of
+ * latency) both come to ~9.5 cycles per k pair, so a multiply in place of the shift did not
+ * show. Its speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
  *
  * Order of the sums (decode kernel): the interleave puts k even in each dword's high half,
  * as in A, and vdpbf16ps adds the high pair's product first, then the low pair's, each a
