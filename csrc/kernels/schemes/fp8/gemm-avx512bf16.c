@@ -26,11 +26,12 @@
  * the port every shuffle needs (vpermb, vpunpck*: 1 cycle; vpermi2b, vpermt2b: 2). So the
  * decode keeps to 5 shuffle cycles per 64 bytes (one vpermi2b, one vpermb, two unpacks) and
  * two ternary-logic ops, which issue on either vector port, where the avx512 tier's decode
- * spends ~19 vector uops. Its shift and two rotates, measured later (docs/PERFORMANCE-
- * HISTORY.md, "MXFP4 decode on the AMX tier"), also issue on the shuffle port. At one row
- * that port and the two accumulator chains (one vdpbf16ps per k pair each, ~9 cycles of
- * latency) both come to ~9.5 cycles per k pair, so a multiply in place of the shift did not
- * show. Its speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
+ * spends ~19 vector uops. Its two rotates, measured later (docs/PERFORMANCE-HISTORY.md,
+ * "MXFP4 decode on the AMX tier"), also issue on the shuffle port; its word shift is a
+ * multiply, which does not. At one row that port and the two accumulator chains (one
+ * vdpbf16ps per k pair each, ~9 cycles of latency) both come to ~9.5 cycles per k pair,
+ * so the multiply did not show there; to_bf16, which has no chains, gained from it. Its
+ * speed against the avx512 kernel: docs/PERFORMANCE-HISTORY.md.
  *
  * Order of the sums (decode kernel): the interleave puts k even in each dword's high half,
  * as in A, and vdpbf16ps adds the high pair's product first, then the low pair's, each a
