@@ -64,6 +64,11 @@
  * kernel, was slower here (docs/PERFORMANCE-HISTORY.md). */
 #define CM_FP8_PREFETCH_L1_BYTES 1024
 #define CM_FP8_PREFETCH_L2_BYTES 8192
+/* to_bf16's own read-ahead into L1, on top of the share of the chunk that the tile GEMM
+ * before it requested into L2: FP8 M=512 about 3 % and M=64 about 5 % faster; 512 B and
+ * 2 KiB did as well, adding prefetcht1 8 KiB ahead was slower (docs/PERFORMANCE-HISTORY.md,
+ * "FP8 prefill on the AMX tier, taken apart"). */
+#define CM_FP8_CHUNK_PREFETCH_BYTES 1024
 
 /* ---- tables ------------------------------------------------------------------------------
  * bf16 bits of e4m3(m) * 2^-8 for the 7 value bits m = eeee.mmm: normal codes (e >= 1) have
@@ -210,6 +215,7 @@ void cm_fp8_to_bf16__avx512bf16(size_t kc, const uint8_t *b, void *out) {
   const __m512i columns = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
   for (size_t kp = 0; kp < kc / 2; kp++) {
     __m512i lo, hi;
+    cm_prefetch_ahead(b + kp * 64, CM_FP8_CHUNK_PREFETCH_BYTES, 0, 1);
     decode_bytes(&dec, _mm512_permutexvar_epi64(columns, load_once(b + kp * 64)), &lo, &hi);
     _mm512_storeu_si512(dst + kp * 64, _mm512_unpacklo_epi8(lo, hi));
     _mm512_storeu_si512(dst + kp * 64 + 32, _mm512_unpackhi_epi8(lo, hi));
