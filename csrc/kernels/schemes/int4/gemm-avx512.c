@@ -170,7 +170,9 @@ void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
     zero_lanes(w->zeros + (kb / w->group_blocks) * CM_NR, &zlo, &zhi);
     int8_t *out = dst + b * bk * CM_NR;
     for (size_t kq = 0; kq < bk / 4; kq++) {
-      __m512i wlo, whi; /* prefetched by the pipeline's GEMM calls (schemes/int4/scheme.c) */
+      __m512i wlo, whi;
+      /* into L2 by the pipeline's GEMM calls (schemes/int4/scheme.c), into L1 here */
+      cm_prefetch_ahead(block + kq * 64, 1024, 0, 1);
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
       _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
       _mm512_storeu_si512(out + kq * 128 + 64,
