@@ -1,4 +1,4 @@
-"""Packed weights are allocated on transparent huge pages where Linux offers them.
+"""Packed weights and the op workspace are on transparent huge pages where Linux offers them.
 
 The packers (and ``_C.new_weight_buffer``, which the bench's bandwidth probe streams and its
 weight copies live in) ask the kernel with ``madvise(MADV_HUGEPAGE)`` for the 2 MiB-aligned
@@ -95,3 +95,24 @@ def test_bench_weight_copies_advised(dtype):
     assert torch.equal(weight_copy(scalar), scalar) and weight_copy(scalar).shape == ()
     strided = t.transpose(1, 2)
     assert torch.equal(weight_copy(strided), strided)
+
+
+def test_op_workspace_advised():
+    """The op's cached workspace is asked for huge pages too: its A panels are written and
+    tile-loaded back on every call, 16 rows a load, each row on its own 4 KiB page when the
+    rows are 4 KiB apart."""
+    from cpumoe_testing import make_hidden, make_routing, make_weights, run_fused
+
+    _C.release_workspace()
+    assert _C.workspace_address() == 0
+    M, E, topk, N, K = 256, 8, 2, 1024, 2048  # a workspace of ~12 MiB
+    x = make_hidden(M, K, torch.bfloat16)
+    w1, w2 = make_weights(E, N, K, torch.bfloat16)
+    tw, ti = make_routing(M, E, topk)
+    out = run_fused(x, w1, w2, tw, ti, is_vnni=False)
+    address, nbytes = _C.workspace_address(), _C.workspace_bytes()
+    assert address != 0 and nbytes >= 3 * HUGE
+    first = (address + HUGE - 1) & ~(HUGE - 1)
+    assert "hg" in vm_flags(first)
+    _C.release_workspace()
+    assert torch.equal(run_fused(x, w1, w2, tw, ti, is_vnni=False), out)

@@ -119,8 +119,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
     if (experts) dims.insert(dims.begin(), E);
     return dims;
   };
-  at::Tensor packed = new_packed_weight(shaped({oc / 32, ic / bk, 16 * bk + 128}),
-                                        qweight.options().dtype(at::kByte));
+  at::Tensor packed = new_huge_page_tensor(shaped({oc / 32, ic / bk, 16 * bk + 128}),
+                                           qweight.options().dtype(at::kByte));
   at::Tensor zeros = at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kChar));
   at::Tensor out_scales =
       at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kFloat));

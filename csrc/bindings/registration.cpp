@@ -126,6 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "free the calling thread's cached op workspace");
   m.def("workspace_bytes", &rt::workspace_bytes,
         "bytes of the calling thread's cached op workspace");
+  m.def("workspace_address", &rt::workspace_address,
+        "address of the calling thread's cached op workspace (0 without one)");
   m.def("new_weight_buffer", &rt::new_weight_buffer,
         "uninitialized uint8 tensor of `nbytes`, allocated as packed weights are (huge pages)");
   m.def("probe_read", &rt::probe_read, "stream a buffer `passes` times on torch's threads");

@@ -33,7 +33,7 @@ thread_local at::Tensor cached_workspace;
 void *workspace_for(size_t bytes) {
   if (!cached_workspace.defined() || cached_workspace.nbytes() < bytes)
     cached_workspace =
-        at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+        new_huge_page_tensor({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
   return cached_workspace.data_ptr();
 }
 
@@ -60,13 +60,15 @@ at::Tensor new_output_like(const at::Tensor &like) {
 
 // Packed weights are streamed whole from memory on every call, so they are asked for
 // transparent huge pages: fewer TLB misses and page walks in the stream. Measured on an AMX
-// Xeon VM (docs/PERFORMANCE-HISTORY.md), a few percent at decode and prefill alike.
-// MADV_HUGEPAGE covers the 2 MiB-aligned interior of the allocation, before the packer's
-// first write faults its pages in; it is only advice (a kernel with THP "never", or a
-// fragmented memory, gives 4 KiB pages and the same results).
+// Xeon VM (docs/PERFORMANCE-HISTORY.md), a few percent at decode and prefill alike. The
+// workspace too: a tile load of an A panel reads 16 rows, each on its own 4 KiB page when
+// the rows are 4 KiB or more apart.
+// MADV_HUGEPAGE covers the 2 MiB-aligned interior of the allocation, before the first write
+// faults its pages in; it is only advice (a kernel with THP "never", or a fragmented
+// memory, gives 4 KiB pages and the same results).
 constexpr uintptr_t kHugePageBytes = uintptr_t{2} << 20;
 
-at::Tensor new_packed_weight(at::IntArrayRef sizes, const at::TensorOptions &options) {
+at::Tensor new_huge_page_tensor(at::IntArrayRef sizes, const at::TensorOptions &options) {
   at::Tensor t = at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t first = (begin + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
@@ -149,9 +151,13 @@ size_t workspace_bytes() {
   return cached_workspace.defined() ? cached_workspace.nbytes() : 0;
 }
 
+uintptr_t workspace_address() {
+  return cached_workspace.defined() ? reinterpret_cast<uintptr_t>(cached_workspace.data_ptr()) : 0;
+}
+
 at::Tensor new_weight_buffer(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "new_weight_buffer: nbytes must be >= 0, got ", nbytes);
-  return new_packed_weight({nbytes}, at::TensorOptions().dtype(at::kByte));
+  return new_huge_page_tensor({nbytes}, at::TensorOptions().dtype(at::kByte));
 }
 
 double probe_read(const at::Tensor &buffer, int64_t passes) {

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,9 +21,10 @@ cpumoe_runner aten_runner();
 // A new contiguous CPU tensor of `like`'s shape and dtype: the op's output.
 at::Tensor new_output_like(const at::Tensor &like);
 
-// A new contiguous tensor for packed weights, on transparent huge pages where the OS gives
-// them (it is streamed whole on every call). Its contents are uninitialized.
-at::Tensor new_packed_weight(at::IntArrayRef sizes, const at::TensorOptions &options);
+// A new contiguous tensor on transparent huge pages where the OS gives them: for packed
+// weights (streamed whole on every call) and the op workspace (its A panels and
+// intermediate rows are written and read back on every call). Contents uninitialized.
+at::Tensor new_huge_page_tensor(at::IntArrayRef sizes, const at::TensorOptions &options);
 
 // Runs a checked fused-MoE problem on torch's threads with the calling thread's workspace.
 void run_problem(const cpumoe_moe_problem &problem, const char *op);
@@ -44,6 +46,7 @@ std::vector<std::string> supported_isas();
 std::string numerics_class(const std::string &tier);
 void release_workspace();
 size_t workspace_bytes();
+uintptr_t workspace_address();
 at::Tensor new_weight_buffer(int64_t nbytes);
 double probe_read(const at::Tensor &buffer, int64_t passes);
 double probe_int8(int64_t iterations);

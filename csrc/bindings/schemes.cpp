@@ -41,7 +41,7 @@ PackedMatrices packed_matrices(const at::Tensor &weight) {
 at::Tensor pack_vnni2_16bit(const at::Tensor &weight, const char *op) {
   const PackedMatrices m = packed_matrices(weight);
   const cpumoe_runner runner = aten_runner();
-  at::Tensor packed = new_packed_weight(weight.sizes(), weight.options());
+  at::Tensor packed = new_huge_page_tensor(weight.sizes(), weight.options());
   check_status(cpumoe_pack_vnni2_16bit(static_cast<const uint16_t *>(weight.data_ptr()),
                                        static_cast<uint16_t *>(packed.data_ptr()), m.experts,
                                        m.rows, m.cols, &runner),
@@ -53,7 +53,7 @@ at::Tensor pack_vnni2_16bit(const at::Tensor &weight, const char *op) {
 at::Tensor pack_vnni2_fp8(const at::Tensor &weight, const char *op) {
   const PackedMatrices m = packed_matrices(weight);
   const cpumoe_runner runner = aten_runner();
-  at::Tensor packed = new_packed_weight(weight.sizes(), weight.options());
+  at::Tensor packed = new_huge_page_tensor(weight.sizes(), weight.options());
   check_status(cpumoe_pack_vnni2_8bit(static_cast<const uint8_t *>(weight.data_ptr()),
                                       static_cast<uint8_t *>(packed.data_ptr()), m.experts, m.rows,
                                       m.cols, &runner),
@@ -70,7 +70,7 @@ at::Tensor pack_vnni4_int8(const at::Tensor &weight, const char *op) {
   const cpumoe_runner runner = aten_runner();
   std::vector<int64_t> shape(weight.sizes().begin(), weight.sizes().end());
   shape.back() += kInt8CompensationBytes;
-  at::Tensor packed = new_packed_weight(shape, weight.options());
+  at::Tensor packed = new_huge_page_tensor(shape, weight.options());
   check_status(cpumoe_pack_vnni4_int8(weight.data_ptr<int8_t>(), packed.data_ptr<int8_t>(),
                                       m.experts, m.rows, m.cols, &runner),
                op);
@@ -81,7 +81,7 @@ at::Tensor pack_vnni4_int8(const at::Tensor &weight, const char *op) {
 at::Tensor pack_mxfp4(const at::Tensor &weight, const char *op) {
   const PackedMatrices m = packed_matrices(weight);
   const cpumoe_runner runner = aten_runner();
-  at::Tensor packed = new_packed_weight(weight.sizes(), weight.options());
+  at::Tensor packed = new_huge_page_tensor(weight.sizes(), weight.options());
   check_status(cpumoe_pack_mxfp4(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), m.experts,
                                  m.rows, m.cols, &runner),
                op);
