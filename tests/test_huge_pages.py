@@ -40,11 +40,16 @@ def vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def interior_of(address: int, nbytes: int) -> int:
+    """The first 2 MiB-aligned huge page inside the ``nbytes`` bytes at ``address``."""
+    first = (address + HUGE - 1) & ~(HUGE - 1)
+    assert first + HUGE <= address + nbytes
+    return first
+
+
 def interior(t: torch.Tensor) -> int:
     """An address in the first 2 MiB-aligned huge page inside ``t``'s bytes."""
-    first = (t.data_ptr() + HUGE - 1) & ~(HUGE - 1)
-    assert first + HUGE <= t.data_ptr() + t.numel() * t.element_size()
-    return first
+    return interior_of(t.data_ptr(), t.numel() * t.element_size())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8,
@@ -112,7 +117,6 @@ def test_op_workspace_advised():
     out = run_fused(x, w1, w2, tw, ti, is_vnni=False)
     address, nbytes = _C.workspace_address(), _C.workspace_bytes()
     assert address != 0 and nbytes >= 3 * HUGE
-    first = (address + HUGE - 1) & ~(HUGE - 1)
-    assert "hg" in vm_flags(first)
+    assert "hg" in vm_flags(interior_of(address, nbytes))
     _C.release_workspace()
     assert torch.equal(run_fused(x, w1, w2, tw, ti, is_vnni=False), out)

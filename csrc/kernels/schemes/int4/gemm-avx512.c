@@ -42,6 +42,10 @@
  * best single prefetcht0 distance (docs/PERFORMANCE-HISTORY.md). */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
 #define CM_INT4_PREFETCH_L2_BYTES 8192
+/* The unpack's own read-ahead into L1, on top of the share of the chunk that the GEMM calls
+ * before it requested into L2 (as FP8's chunk decode): amx INT4 M=512 about 3 % faster
+ * (docs/PERFORMANCE-HISTORY.md, "FP8 prefill on the AMX tier, taken apart"). */
+#define CM_INT4_UNPACK_PREFETCH_BYTES 1024
 /* The zero points and scales live in arrays of their own, which no read-ahead above
  * covers: the decode GEMM requests those of the group this many groups ahead into L1 (past
  * the tile's last group they are the next tile's). Without it, one thread streamed below
@@ -172,7 +176,7 @@ void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
     for (size_t kq = 0; kq < bk / 4; kq++) {
       __m512i wlo, whi;
       /* into L2 by the pipeline's GEMM calls (schemes/int4/scheme.c), into L1 here */
-      cm_prefetch_ahead(block + kq * 64, 1024, 0, 1);
+      cm_prefetch_ahead(block + kq * 64, CM_INT4_UNPACK_PREFETCH_BYTES, 0, 1);
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
       _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
       _mm512_storeu_si512(out + kq * 128 + 64,
