@@ -34,17 +34,15 @@
 #include "common/tile-amx.h"
 #include "common/ukernels.h"
 
-/* Read-ahead of a call's own weights (CM_PREFETCH_SELF, blocks of one panel): into L1 2 k
- * steps (4 KiB) ahead and into L2 8 steps (16 KiB) ahead. A stream of 32-column blocks from
- * DRAM, 32-row panels, two threads: 25.0-25.2 GB/s with L1 4 steps alone, 27.8-28.3 with
- * these; bf16 M=512 about 2-3 % faster (docs/PERFORMANCE-HISTORY.md, "MXFP4 decode on the
- * AMX tier"). */
-#ifndef CM_AMX_PF_L1_STEPS
-#define CM_AMX_PF_L1_STEPS 2 /* B prefetched into L1 this many k steps ahead ... */
-#endif
-#ifndef CM_AMX_PF_L2_STEPS
-#define CM_AMX_PF_L2_STEPS 8 /* ... and into L2 this many (0: not) */
-#endif
+/* A call that streams its own weights (CM_PREFETCH_SELF, a block of one panel) stages them:
+ * each k step's B rows (2 KiB) are copied by vector loads into a buffer in L1 one step ahead,
+ * and the tile loads read that buffer. Tile loads straight from the stream miss L1 and stall
+ * the tile unit however far ahead they are prefetched; vector loads keep many misses in flight
+ * as the decode kernels' do. Two threads streaming 32-column blocks of K = 2048 from DRAM
+ * (huge pages, 32-row panels, gate and up blocks alternating as in the op): 25.5-26.1 GB/s
+ * with tile loads from the stream, 31.4-32.9 GB/s staged, as fast as a plain read loop
+ * (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). The copy reads ahead into L2 on its own. */
+#define CM_AMX_STAGE_PF_BYTES 8192
 
 typedef struct cm_amx_tile_config {
   uint8_t palette;
@@ -92,63 +90,59 @@ static void fill_tail(tail_tiles *t, size_t mr, const uint8_t *a, size_t a_bytes
   memcpy(t->b, b, b_rows * CM_AMX_B_ROW_BYTES);
 }
 
-/* A k step's weights (32 lines) a few steps ahead: a stream from memory needs more misses
- * in flight than the hardware prefetchers keep. */
-static inline __attribute__((always_inline)) void prefetch_b(const uint8_t *b, size_t step_bytes) {
-  if (CM_AMX_PF_L1_STEPS)
-    for (int l = 0; l < 32; l++)
-      _mm_prefetch((const char *)b + CM_AMX_PF_L1_STEPS * step_bytes + 64 * l, _MM_HINT_T0);
-  if (CM_AMX_PF_L2_STEPS)
-    for (int l = 0; l < 32; l++)
-      _mm_prefetch((const char *)b + CM_AMX_PF_L2_STEPS * step_bytes + 64 * l, _MM_HINT_T1);
+/* Bytes of B per k step: 16 k-rows of 128 bytes (32 k of bf16 pairs, 64 k of u8 quads). */
+#define CM_AMX_STEP_B_BYTES (CM_AMX_TILE_ROWS * CM_AMX_B_ROW_BYTES)
+
+/* Copies one k step of B from the stream into a staging buffer, reading ahead into L2. */
+static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
+                                                          const uint8_t *restrict b) {
+  for (int l = 0; l < CM_AMX_STEP_B_BYTES / 64; l++) {
+    _mm_prefetch((const char *)b + CM_AMX_STAGE_PF_BYTES + 64 * l, _MM_HINT_T1);
+    _mm512_store_si512(dst + 64 * l, _mm512_loadu_si512(b + 64 * l));
+  }
 }
 
 /* A row's bytes per k step: 32 bf16 or 64 u8 = one 64-byte tile row. */
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
 
-#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, pf)                           \
-  do {                                                                                      \
-    const int two = mr > CM_AMX_TILE_ROWS;                                                  \
-    const size_t a_bytes = a_stride * (elem_bytes);                                         \
-    const size_t steps = k / (step_k), tail_k = k % (step_k);                               \
-    const size_t step_b_bytes = (step_k) / (k_per_b_row) * CM_AMX_B_ROW_BYTES;              \
-    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                       \
-    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                              \
-    void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce; \
-    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                   \
-    cm_amx_configure_tiles__amx();                                                          \
-    cm_amx_load_c(two, cc, accumulate);                                                     \
-    for (size_t s = 0; s < steps; s++) {                                                    \
-      const uint8_t *bs = b8 + s * step_b_bytes;                                            \
-      pf;                                                                                   \
-      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);    \
-    }                                                                                       \
-    if (tail_k) {                                                                           \
-      tail_tiles t;                                                                         \
-      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),     \
-                b8 + steps * step_b_bytes, tail_k / (k_per_b_row));                         \
-      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                \
-    }                                                                                       \
-    cm_amx_store_c(two, cc);                                                                \
-    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                 \
+#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k)                                \
+  do {                                                                                       \
+    const int two = mr > CM_AMX_TILE_ROWS;                                                   \
+    const size_t a_bytes = a_stride * (elem_bytes);                                          \
+    const size_t steps = k / (step_k), tail_k = k % (step_k);                                \
+    const size_t step_b_bytes = (step_k) / (k_per_b_row) * CM_AMX_B_ROW_BYTES;               \
+    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                        \
+    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                               \
+    void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce;  \
+    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                    \
+    _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                     \
+    const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */   \
+    cm_amx_configure_tiles__amx();                                                           \
+    cm_amx_load_c(two, cc, accumulate);                                                      \
+    if (stage && steps) stage_b(staged[0], b8);                                              \
+    for (size_t s = 0; s < steps; s++) {                                                     \
+      const uint8_t *bs = stage ? staged[s & 1] : b8 + s * step_b_bytes;                     \
+      if (!stage) cm_prefetch_step(&pf, pf_steps);                                           \
+      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);     \
+      if (stage && s + 1 < steps) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * step_b_bytes); \
+    }                                                                                        \
+    if (tail_k) {                                                                            \
+      tail_tiles t;                                                                          \
+      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),      \
+                b8 + steps * step_b_bytes, tail_k / (k_per_b_row));                          \
+      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                 \
+    }                                                                                        \
+    cm_amx_store_c(two, cc);                                                                 \
+    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                  \
   } while (0)
-
-/* A share of the next chunk (cm_prefetch) spread over the k steps, or this call's own
- * weights a few steps ahead (CM_PREFETCH_SELF). */
-#define CM_AMX_PREFETCH              \
-  if (prefetch.start) {              \
-    cm_prefetch_step(&pf, pf_steps); \
-  } else {                           \
-    prefetch_b(bs, step_b_bytes);    \
-  }
 
 void cm_bf16_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_stride,
                                   const void *b, float *c, int accumulate, cm_prefetch prefetch) {
   CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && k % 2 == 0 && a_stride >= k);
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = k / CM_AMX_STEP_K_BF16 ? k / CM_AMX_STEP_K_BF16 : 1;
-  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, CM_AMX_PREFETCH);
+  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }
 
@@ -160,6 +154,6 @@ void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t
   int32_t *c = acc;
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
-  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, CM_AMX_PREFETCH);
+  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }
