@@ -276,6 +276,14 @@ typedef struct cm_gemm_config {
    * decode kernel. Not above the decode kernel's own tile rows. */
   size_t decode_max_rows;
   cm_panel_format decode_a_format;
+  /* How the unquantized and INT8 schemes walk a block of several panels. A block of up to
+   * this many panels goes panel by panel over the whole reduction, the first panel's call
+   * streaming the weights on its own (CM_PREFETCH_SELF) and the others reading them back from
+   * L2: for tile kernels, which stage a stream they read themselves and keep C in tiles for a
+   * whole call. A larger block goes in chunks of the reduction, each applied to every panel
+   * while it is in L1, each call prefetching its share of the next chunk. 0 or 1: every
+   * block of several panels goes in chunks. */
+  size_t panel_major_panels;
   union {
     cm_unquant_kernels unquant;
     cm_int8_kernels int8;

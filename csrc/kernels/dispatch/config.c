@@ -245,8 +245,15 @@ static void cm_config_init__amx(cm_tier_config *c) {
    * the weights faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
    * round differently, so on this tier a token's bf16 bits can depend on how many rows its
    * experts got in the batch (docs/NUMERICS.md). */
-  on_tiles(&c->gemm[CM_UNQUANT][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.unquant.gemm =
-      cm_bf16_gemm_rows_mrx32__amx;
+  cm_gemm_config *bf16 = on_tiles(&c->gemm[CM_UNQUANT][CM_BF16], CM_PANEL_BF16_ROWS);
+  bf16->kernels.unquant.gemm = cm_bf16_gemm_rows_mrx32__amx;
+  /* An expert with 33-64 rows is a 32-row panel and a smaller one. Panel by panel, the first
+   * call stages the weights as a one-panel block's does and each call keeps C in tiles over
+   * the whole reduction: Qwen3 M=512 53.46/53.72 -> 51.40/51.68 ms. Blocks of 4 panels (the
+   * dense linear at M=512) reuse each chunk from L1 better: 4.05 ms in chunks, 4.5 panel by
+   * panel. INT8 stays in chunks: panel by panel took 31.18-31.52 against 30.29-30.68 ms at
+   * M=512 (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). */
+  bf16->panel_major_panels = 2;
   cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
   fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;

@@ -233,4 +233,27 @@ static inline cm_prefetch cm_prefetch_share(const void *next, size_t bytes, int3
                        lines * (size_t)(q + 1) / (size_t)panels - first};
 }
 
+/* Whether a block goes panel by panel over the whole reduction (cm_gemm_config's
+ * panel_major_panels); a block of one panel always does. */
+static inline int cm_block_panel_major(const cm_run *r, const cm_block *blk) {
+  return blk->panels == 1 || (size_t)blk->panels <= r->gemm->panel_major_panels;
+}
+
+/* The reduction chunk a block's GEMM calls take: the whole reduction panel by panel, else
+ * `chunk`. */
+static inline int64_t cm_block_chunk(const cm_run *r, const cm_block *blk, int64_t red,
+                                     int64_t chunk) {
+  return cm_block_panel_major(r, blk) ? red : chunk;
+}
+
+/* The prefetch of panel q's call on a chunk of a block, the next chunk's `bytes` starting at
+ * `next`. Panel by panel, the first call reads ahead on its own (CM_PREFETCH_SELF) and the
+ * others, on weights it left in L2, request nothing; in chunks, each panel requests its share
+ * of the next chunk. */
+static inline cm_prefetch cm_block_prefetch(const cm_run *r, const cm_block *blk, int32_t q,
+                                            const void *next, size_t bytes) {
+  if (!cm_block_panel_major(r, blk)) return cm_prefetch_share(next, bytes, q, blk->panels);
+  return q == 0 ? CM_PREFETCH_SELF : (cm_prefetch){next, 0};
+}
+
 #endif /* CPUMOE_MOE_PIPELINE_H */

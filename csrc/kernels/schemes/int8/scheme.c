@@ -44,8 +44,8 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
   const cm_gemm_u8s8_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
   CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
   /* one panel shares nothing: one call over the whole reduction (a tile kernel then loads
-   * and stores its accumulators once) */
-  const int64_t chunk = blk->panels == 1 ? red : CM_INT8_KC;
+   * and stores its accumulators once), nor does a block the config runs panel by panel */
+  const int64_t chunk = cm_block_chunk(r, blk, red, CM_INT8_KC);
   for (int64_t k0 = 0; k0 < red; k0 += chunk) {
     const size_t kc = (size_t)(red - k0 < chunk ? red - k0 : chunk);
     for (int32_t q = 0; q < blk->panels; q++) {
@@ -53,9 +53,7 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
       size_t a_stride;
       const uint8_t *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
       gemm((size_t)pn->rows, kc, panel, a_stride, w + k0 * CM_NR, acc[q], k0 > 0,
-           blk->panels == 1 ? CM_PREFETCH_SELF
-                            : cm_prefetch_share(w + (k0 + CM_INT8_KC) * CM_NR, CM_INT8_KC * CM_NR,
-                                                q, blk->panels));
+           cm_block_prefetch(r, blk, q, w + (k0 + chunk) * CM_NR, (size_t)chunk * CM_NR));
     }
   }
   for (int32_t q = 0; q < blk->panels; q++) {

@@ -23,7 +23,8 @@ static int64_t w1_row_bytes_unquant(const cpumoe_moe_problem *p) {
  * (accumulating in C) before the next, and each call requests its share of the next chunk
  * (cm_prefetch_share), as INT8 does: the weights come from memory once and the memory
  * stream keeps going while the later panels compute. Splitting a reduction this way
- * changes no bits (C is reloaded exactly as it was left). */
+ * changes no bits (C is reloaded exactly as it was left). A block of up to the config's
+ * panel_major_panels goes panel by panel instead (cm_block_chunk, cm_block_prefetch). */
 static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                                float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -34,7 +35,7 @@ static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, 
   const int64_t expert = r->panels[blk->first_panel].expert;
   const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
                       (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
-  const int64_t kc = blk->panels == 1 ? red : CM_UNQUANT_KC;
+  const int64_t kc = cm_block_chunk(r, blk, red, CM_UNQUANT_KC);
   for (int64_t k0 = 0; k0 < red; k0 += kc) {
     const int64_t n = red - k0 < kc ? red - k0 : kc;
     float *cq = c;
@@ -44,9 +45,7 @@ static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, 
       const void *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
       /* VNNI-2: k0 / 2 pairs of 32 columns x 2 */
       gemm((size_t)pn->rows, (size_t)n, panel, a_stride, w + k0 * CM_NR, cq, k0 > 0,
-           blk->panels == 1
-               ? CM_PREFETCH_SELF
-               : cm_prefetch_share(w + (k0 + kc) * CM_NR, (size_t)kc * CM_NR * 2, q, blk->panels));
+           cm_block_prefetch(r, blk, q, w + (k0 + kc) * CM_NR, (size_t)kc * CM_NR * 2));
       cq += (size_t)pn->rows * CM_NR;
     }
   }
