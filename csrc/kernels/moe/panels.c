@@ -16,7 +16,8 @@
  *   BF16_ROWS            bf16 [rows][red], U8_ROWS u8 [rows][red] (quantized as U8_QUADS):
  *                        rows one after another, the A operand of tile loads.
  * The 16-bit formats hold the activations' own values: x rows are bf16 already and mid rows
- * were rounded to bf16 (gemm1), so narrowing them is exact.
+ * were rounded to bf16 (gemm1), so narrowing them is exact. Their stage-2 panels are written
+ * by gemm1 itself, 32 values at a time (store_mid), not from the fp32 intermediate.
  */
 #include <string.h>
 
@@ -86,6 +87,7 @@ static const uint16_t *row_chunk16(const cm_run *r, const cm_panel *pn, int stag
 }
 
 static void pack_bf16_pairs(const cm_run *r, const cm_panel *pn, int stage) {
+  if (stage == 2) return; /* stored by store_bf16_pairs */
   const int64_t red = cm_stage_reduction(r, stage);
   const size_t rows = (size_t)pn->rows;
   uint32_t *panel = (uint32_t *)cm_panel_base(r, pn, stage);
@@ -101,7 +103,25 @@ static void pack_bf16_pairs(const cm_run *r, const cm_panel *pn, int stage) {
   }
 }
 
+/* Stage 2 of the 16-bit formats: 32 values of mid row i, narrowed (exact: they were rounded
+ * to the activation dtype) straight into the panel. */
+static void store_bf16_pairs(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0,
+                             const float *mid) {
+  uint16_t v[CM_NR];
+  r->narrow(CM_NR, mid, v);
+  uint32_t *dst = (uint32_t *)cm_panel_base(r, pn, 2) + (size_t)col0 / 2 * (size_t)pn->rows + i;
+  for (size_t kp = 0; kp < CM_NR / 2; kp++)
+    dst[kp * (size_t)pn->rows] = (uint32_t)v[2 * kp] << 16 | v[2 * kp + 1];
+}
+
+static void store_bf16_rows(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0,
+                            const float *mid) {
+  uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) + i * (size_t)r->p->N;
+  r->narrow(CM_NR, mid, row + col0);
+}
+
 static void pack_bf16_rows(const cm_run *r, const cm_panel *pn, int stage) {
+  if (stage == 2) return; /* stored by store_bf16_rows */
   const int64_t red = cm_stage_reduction(r, stage);
   uint16_t *panel = (uint16_t *)cm_panel_base(r, pn, stage);
   for (size_t i = 0; i < (size_t)pn->rows; i++) {
@@ -180,8 +200,14 @@ const cm_panel_packer cm_panel_packers[CM_PANEL_FORMAT_COUNT] = {
                                       .block_sums = 1,
                                       .elem_bytes = 1,
                                       .k_group = 4},
-    [CM_PANEL_BF16_PAIRS] = {.pack = pack_bf16_pairs, .elem_bytes = 2, .k_group = 2},
-    [CM_PANEL_BF16_ROWS] = {.pack = pack_bf16_rows, .elem_bytes = 2, .k_group = 0},
+    [CM_PANEL_BF16_PAIRS] = {.pack = pack_bf16_pairs,
+                             .store_mid = store_bf16_pairs,
+                             .elem_bytes = 2,
+                             .k_group = 2},
+    [CM_PANEL_BF16_ROWS] = {.pack = pack_bf16_rows,
+                            .store_mid = store_bf16_rows,
+                            .elem_bytes = 2,
+                            .k_group = 0},
     [CM_PANEL_U8_ROWS] = {.prepare_token = prepare_token_u8,
                           .pack = pack_u8_rows,
                           .quantized = 1,

@@ -19,8 +19,10 @@
  *   pack1   task per panel: gather the x rows into the A panel format of the scheme's
  *           config (fp32, widened here; u8 quads, and the rows' sums per reduction block).
  *   gemm1   task per (block, 32 intermediate columns): gate and up tiles of W1
- *           (the scheme's gemm_block hook), bias, activation, rounding -> mid [slot, N].
- *   pack2   task per panel: mid rows into the A panel of gemm2.
+ *           (the scheme's gemm_block hook), bias, activation, rounding -> mid [slot, N];
+ *           a 16-bit panel format takes the values straight into gemm2's A panel instead
+ *           (store_mid), sparing the fp32 round trip.
+ *   pack2   task per panel: mid rows into the A panel of gemm2 (the other formats).
  *   gemm2   task per (block, 32 output columns): tile of W2, bias, topk weight,
  *           written to y [slot, K] in the slots' original order.
  *   reduce  task per token: sum the slots in order j = 0..topk-1 (+ residual).
@@ -105,6 +107,12 @@ typedef struct cm_panel_packer {
    * reduction K; 2: mid rows, reduction N), with per-row scales and sums if the format
    * has them. */
   void (*pack)(const cm_run *r, const cm_panel *pn, int stage);
+  /* Formats that hold the intermediate's own 16-bit values: writes row i of panel pn's
+   * stage-2 operand, columns [col0, col0 + 32), from `mid` (fp32 values already rounded to
+   * the activation dtype), as the gate/up GEMM makes them; pack then has nothing to do for
+   * stage 2. NULL: the values go through the fp32 intermediate and pack (quantized rows
+   * need their whole row first). */
+  void (*store_mid)(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0, const float *mid);
   int quantized;     /* rows quantized to u8 (x once per token, mid rows per slot) */
   int block_sums;    /* per row and reduction block, the sum of q */
   size_t elem_bytes; /* bytes per element */

@@ -81,9 +81,14 @@ static void gemm1_task(void *ctx, int64_t t) {
   const int64_t first = r->panels[blk->first_panel].first; /* the block's rows are consecutive */
   const float *bias = p->w1_bias ? p->w1_bias + (size_t)expert * (size_t)(2 * N) : NULL;
   const int64_t rows = cm_block_rows(r, blk);
-  for (int64_t i = 0; i < rows; i++) {
+  const cm_panel *pn = &r->panels[blk->first_panel];
+  const cm_panel_packer *stage2 = pn->decode ? r->decode_packer : r->packer;
+  float direct[CM_NR]; /* a row's values on their way into its stage-2 panel */
+  for (int64_t i = 0, in_panel = 0; i < rows; i++, in_panel++) {
+    if (in_panel == pn->rows) pn++, in_panel = 0;
     float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
-    float *out = r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
+    float *out =
+        stage2->store_mid ? direct : r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
     if (interleaved) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
       for (int j = 0; j < CM_NR; j++) {
         const float *h = j < 16 ? h0 : h1;
@@ -97,6 +102,7 @@ static void gemm1_task(void *ctx, int64_t t) {
     }
     apply_activation(r->ew, p->activation, p->alpha, p->limit, CM_NR, h0, h1, out);
     r->round16(CM_NR, out);
+    if (stage2->store_mid) stage2->store_mid(r, pn, (size_t)in_panel, 32 * tile, out);
   }
 }
 
