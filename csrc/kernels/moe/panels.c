@@ -86,6 +86,11 @@ static const uint16_t *row_chunk16(const cm_run *r, const cm_panel *pn, int stag
   return tmp;
 }
 
+/* Elements k and k + 1 of a row as one BF16_PAIRS dword, k in the high half. */
+static inline uint32_t bf16_pair(const uint16_t *two) {
+  return (uint32_t)two[0] << 16 | two[1];
+}
+
 static void pack_bf16_pairs(const cm_run *r, const cm_panel *pn, int stage) {
   if (stage == 2) return; /* stored by store_bf16_pairs */
   const int64_t red = cm_stage_reduction(r, stage);
@@ -98,8 +103,7 @@ static void pack_bf16_pairs(const cm_run *r, const cm_panel *pn, int stage) {
     for (size_t i = 0; i < rows; i++) src[i] = row_chunk16(r, pn, stage, i, k0, n, tmp[i]);
     uint32_t *dst = panel + (size_t)k0 / 2 * rows;
     for (size_t kp = 0; kp < n / 2; kp++)
-      for (size_t i = 0; i < rows; i++)
-        dst[kp * rows + i] = (uint32_t)src[i][2 * kp] << 16 | src[i][2 * kp + 1];
+      for (size_t i = 0; i < rows; i++) dst[kp * rows + i] = bf16_pair(src[i] + 2 * kp);
   }
 }
 
@@ -110,13 +114,12 @@ static void store_bf16_pairs(const cm_run *r, const cm_panel *pn, size_t i, int6
   uint16_t v[CM_NR];
   r->narrow(CM_NR, mid, v);
   uint32_t *dst = (uint32_t *)cm_panel_base(r, pn, 2) + (size_t)col0 / 2 * (size_t)pn->rows + i;
-  for (size_t kp = 0; kp < CM_NR / 2; kp++)
-    dst[kp * (size_t)pn->rows] = (uint32_t)v[2 * kp] << 16 | v[2 * kp + 1];
+  for (size_t kp = 0; kp < CM_NR / 2; kp++) dst[kp * (size_t)pn->rows] = bf16_pair(v + 2 * kp);
 }
 
 static void store_bf16_rows(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0,
                             const float *mid) {
-  uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) + i * (size_t)r->p->N;
+  uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) + i * (size_t)cm_stage_reduction(r, 2);
   r->narrow(CM_NR, mid, row + col0);
 }
 

@@ -90,7 +90,8 @@ static void fill_tail(tail_tiles *t, size_t mr, const uint8_t *a, size_t a_bytes
   memcpy(t->b, b, b_rows * CM_AMX_B_ROW_BYTES);
 }
 
-/* Bytes of B per k step: 16 k-rows of 128 bytes (32 k of bf16 pairs, 64 k of u8 quads). */
+/* Bytes of B per k step, for both kernels: 16 k-rows of 128 bytes (32 k of bf16 pairs, 64 k
+ * of u8 quads). */
 #define CM_AMX_STEP_B_BYTES (CM_AMX_TILE_ROWS * CM_AMX_B_ROW_BYTES)
 
 /* Copies one k step of B from the stream into a staging buffer, reading ahead into L2. */
@@ -106,35 +107,35 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
 
-#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k)                                \
-  do {                                                                                       \
-    const int two = mr > CM_AMX_TILE_ROWS;                                                   \
-    const size_t a_bytes = a_stride * (elem_bytes);                                          \
-    const size_t steps = k / (step_k), tail_k = k % (step_k);                                \
-    const size_t step_b_bytes = (step_k) / (k_per_b_row) * CM_AMX_B_ROW_BYTES;               \
-    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                        \
-    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                               \
-    void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce;  \
-    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                    \
-    _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                     \
-    const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */   \
-    cm_amx_configure_tiles__amx();                                                           \
-    cm_amx_load_c(two, cc, accumulate);                                                      \
-    if (stage && steps) stage_b(staged[0], b8);                                              \
-    for (size_t s = 0; s < steps; s++) {                                                     \
-      const uint8_t *bs = stage ? staged[s & 1] : b8 + s * step_b_bytes;                     \
-      if (!stage) cm_prefetch_step(&pf, pf_steps);                                           \
-      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);     \
-      if (stage && s + 1 < steps) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * step_b_bytes); \
-    }                                                                                        \
-    if (tail_k) {                                                                            \
-      tail_tiles t;                                                                          \
-      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),      \
-                b8 + steps * step_b_bytes, tail_k / (k_per_b_row));                          \
-      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                 \
-    }                                                                                        \
-    cm_amx_store_c(two, cc);                                                                 \
-    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                  \
+#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k)                               \
+  do {                                                                                      \
+    const int two = mr > CM_AMX_TILE_ROWS;                                                  \
+    const size_t a_bytes = a_stride * (elem_bytes);                                         \
+    const size_t steps = k / (step_k), tail_k = k % (step_k);                               \
+    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                       \
+    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                              \
+    void *cc = (mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS) ? (void *)c : bounce; \
+    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                   \
+    _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                    \
+    const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */  \
+    cm_amx_configure_tiles__amx();                                                          \
+    cm_amx_load_c(two, cc, accumulate);                                                     \
+    if (stage && steps) stage_b(staged[0], b8);                                             \
+    for (size_t s = 0; s < steps; s++) {                                                    \
+      const uint8_t *bs = stage ? staged[s & 1] : b8 + s * CM_AMX_STEP_B_BYTES;             \
+      if (!stage) cm_prefetch_step(&pf, pf_steps);                                          \
+      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);    \
+      if (stage && s + 1 < steps)                                                           \
+        stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES);                   \
+    }                                                                                       \
+    if (tail_k) {                                                                           \
+      tail_tiles t;                                                                         \
+      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),     \
+                b8 + steps * CM_AMX_STEP_B_BYTES, tail_k / (k_per_b_row));                  \
+      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                \
+    }                                                                                       \
+    cm_amx_store_c(two, cc);                                                                \
+    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                 \
   } while (0)
 
 void cm_bf16_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_stride,
