@@ -644,6 +644,8 @@ typedef struct moe_case {
 #define BIG_BLOCK (INT64_MAX - 1) /* one scale block per matrix, and ceil() must not overflow */
 
 /* K and N of 96 or 160 are multiples of 32 but not of 64; 1100 tokens are two chunks.
+ * "streamed": 600 slots of N = 160 and K = 288 fp32 values pass the 256 KiB up to which the
+ * intermediate and y are stored normally (moe/stages.c), so both take the streaming stores.
  * INT4 groups: 4 (the smallest), 96 (<= 128, not a power of 2), 256 (two blocks a group). */
 /* clang-format off */
 static const moe_case g_cases[] = {
@@ -656,6 +658,7 @@ static const moe_case g_cases[] = {
   {"fp16 2 chunks",    UNQUANT, F16,  1100,  32,  32, 3, 1, I64, F64,  0.1,  0,  0,  RESIDUAL},
   {"bf16 one expert",  UNQUANT, BF16,   70,  32,  64, 3, 1, I32, F32,  0.0,  0,  0,
    BIAS | ONE_EXPERT},
+  {"bf16 streamed",    UNQUANT, BF16,  300, 288, 160, 4, 2, I32, F32,  0.0,  0,  0,  BIAS},
   {"bf16 dense",       UNQUANT, BF16,    5,  64,  32, 1, 1, I32, F32,  0.0,  0,  0,
    NO_IDS | NO_WEIGHTS},
   {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
@@ -676,6 +679,7 @@ static const moe_case g_cases[] = {
    BIAS | SILU_CLAMP},
   {"int8 2 chunks",    INT8,    BF16, 1100,  32,  32, 2, 1, I32, F16,  0.0,  0,  0,
    BIAS | RESIDUAL},
+  {"int8 streamed",    INT8,    F16,   300, 288, 160, 4, 2, I64, F32,  0.1,  0,  0,  RESIDUAL},
   {"int8 in place",    INT8,    F16,     6,  64,  64, 2, 2, I32, F64,  0.0,  0,  0,
    RESIDUAL | OUT_IS_X},
   {"fp8 decode",       FP8,     BF16,    3,  96,  96, 3, 2, I32, F32,  0.0,  32, 64, BIAS},

@@ -137,7 +137,8 @@ static void run_chain(void *arg, int64_t worker) {
   for (int s = 0; s < c->stages; s++) {
     task_queue *q = &c->queue[s];
     const int64_t ran = drain(q, worker);
-    /* publishes the stage's writes, streaming stores (bias_scale_stream) included */
+    /* publishes the stage's writes, streaming stores (bias_scale_stream, copy_stream)
+     * included */
     atomic_thread_fence(memory_order_seq_cst);
     if (ran) atomic_fetch_add_explicit(&c->finished[s], ran, memory_order_release);
     wait_for_stage(&c->finished[s], c->tasks[s]);

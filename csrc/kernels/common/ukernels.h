@@ -206,6 +206,9 @@ typedef void (*cm_bias_scale_fn)(size_t n, const float *c, const float *bias, fl
  * only a later stage reads, so that writing it costs no read of its old lines. The task
  * queue's workers end with a full fence (common/parallel.c), which orders those stores
  * before the stage's end. */
+/* dst = the `bytes` at src, by streaming stores where the tier has them (dst 64-byte aligned,
+ * bytes a multiple of 64; otherwise a plain copy), for the same kind of output */
+typedef void (*cm_copy_fn)(size_t bytes, const void *src, void *dst);
 /* returns max(m, max_i |x[i]|) */
 typedef float (*cm_absmax_fn)(size_t n, const float *x, float m);
 /* q[i] = 128 + clamp(round_half_even(x[i] * inv_scale), -127, 127) */
@@ -303,6 +306,7 @@ typedef struct cm_elementwise_kernels {
   cm_axpy_fn axpy;
   cm_bias_scale_fn bias_scale;
   cm_bias_scale_fn bias_scale_stream;
+  cm_copy_fn copy_stream;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
   cm_exp_shifted_fn exp_shifted;
@@ -355,6 +359,7 @@ const cm_tier_config *cm_active_config(void);
   void cm_axpy__##tier(size_t, float, const float *, float *);                             \
   void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);        \
   void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *); \
+  void cm_copy_stream__##tier(size_t, const void *, void *);                               \
   float cm_absmax__##tier(size_t, const float *, float);                                   \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \
   void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);            \

@@ -6,14 +6,15 @@
  * gives the same bits.
  *
  * Sizes are small (one C tile row up to one token row); no alignment assumed.
- * One exception to "generic loops": bias_scale_stream uses AVX intrinsics on the tiers that
- * have AVX, since no loop compiles to streaming stores.
+ * One exception to "generic loops": bias_scale_stream and copy_stream use AVX intrinsics on
+ * the tiers that have AVX, since no loop compiles to streaming stores.
  */
 #ifndef CM_TIER
 #error "define CM_TIER (scalar, avx2, avx512) before including elementwise-impl.h"
 #endif
 
 #include <stdint.h>
+#include <string.h>
 
 #include "common/numeric.h"
 #include "common/ukernels.h"
@@ -136,6 +137,22 @@ void CM_TIERED(cm_bias_scale_stream)(size_t n, const float *restrict c, const fl
   }
 #endif
   CM_TIERED(cm_bias_scale)(n, c, bias, g, y);
+}
+
+/* Streaming stores (vmovntdq, 32 bytes each) on the tiers built with AVX, for a 64-byte
+ * aligned destination and a multiple of 64 bytes; otherwise memcpy (contract:
+ * common/ukernels.h). */
+void CM_TIERED(cm_copy_stream)(size_t bytes, const void *restrict src, void *restrict dst) {
+#ifdef __AVX__
+  if (bytes % 64 == 0 && (uintptr_t)dst % 64 == 0) {
+    const char *s = (const char *)src;
+    char *d = (char *)dst;
+    for (size_t i = 0; i < bytes; i += 32)
+      _mm256_stream_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    return;
+  }
+#endif
+  memcpy(dst, src, bytes);
 }
 
 void CM_TIERED(cm_fp8_fold)(size_t mr, const float *restrict p, const float *restrict scale,

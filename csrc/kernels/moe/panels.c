@@ -120,7 +120,9 @@ static void store_bf16_pairs(const cm_run *r, const cm_panel *pn, size_t i, int6
 static void store_bf16_rows(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0,
                             const float *mid) {
   uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) + i * (size_t)cm_stage_reduction(r, 2);
-  r->narrow(CM_NR, mid, row + col0);
+  CM_ALIGNED uint16_t v[CM_NR];
+  r->narrow(CM_NR, mid, v);
+  r->put_mid(sizeof v, v, row + col0);
 }
 
 static void pack_bf16_rows(const cm_run *r, const cm_panel *pn, int stage) {

@@ -157,8 +157,10 @@ struct cm_run {
   float *xs;             /* ... and their scales */
   uint8_t *midq;         /* quantized formats: [slots, N] mid rows */
   float *y;              /* [slots, K] weighted expert outputs, by chunk-local slot */
-  /* writes the y rows: plain or streaming stores, per chunk (CM_Y_CACHED_BYTES) */
+  /* write the y rows and the intermediate's values (fp32 mid rows, or 16-bit stage-2 panel
+   * rows): plain or streaming stores, per chunk (moe/stages.c, CM_CACHED_RESULT_BYTES) */
   cm_bias_scale_fn store_y;
+  cm_copy_fn put_mid;
 };
 
 /* Workspace regions for one chunk; all sizes derive from the problem and its config. */

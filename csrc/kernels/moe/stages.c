@@ -11,11 +11,13 @@
 #include "moe/pipeline.h"
 
 #define CM_REDUCE_COLS 512 /* columns summed per step of the reduce stage */
-/* The down projection's per-slot rows y (fp32 [mc * topk][K]) are read back by the reduce
- * stage. Up to this many bytes they are stored normally and stay in cache for it; above,
- * with streaming stores, which spare the cache and the read-for-ownership traffic
- * (measured: docs/PERFORMANCE-HISTORY.md). */
-#define CM_Y_CACHED_BYTES (256u << 10)
+/* Results a later stage reads back: the intermediate (written by gemm1, read by pack2 or the
+ * down projection) and the down projection's per-slot rows y (fp32 [mc * topk][K], read by
+ * the reduce stage). Up to this many bytes (fp32 size) they are stored normally and stay in
+ * cache for that stage; above, with streaming stores, which spare the cache and the
+ * read-for-ownership traffic. Measured for y at Qwen3 M <= 16, and for the intermediate at
+ * Qwen3 M = 512: 2-4 % faster with every scheme (docs/PERFORMANCE-HISTORY.md). */
+#define CM_CACHED_RESULT_BYTES (256u << 10)
 
 /* Task t of a gemm stage with `tiles` column tiles per block -> (block, tile).
  * Tasks are numbered expert by expert and, within an expert, tile-major: the blocks
@@ -61,6 +63,10 @@ static void apply_activation(const cm_elementwise_kernels *ew, cpumoe_activation
   }
 }
 
+static void copy_cached(size_t bytes, const void *src, void *dst) {
+  memcpy(dst, src, bytes);
+}
+
 static void gemm1_task(void *ctx, int64_t t) {
   const cm_run *r = (const cm_run *)ctx;
   const cpumoe_moe_problem *p = r->p;
@@ -81,14 +87,10 @@ static void gemm1_task(void *ctx, int64_t t) {
   const int64_t first = r->panels[blk->first_panel].first; /* the block's rows are consecutive */
   const float *bias = p->w1_bias ? p->w1_bias + (size_t)expert * (size_t)(2 * N) : NULL;
   const int64_t rows = cm_block_rows(r, blk);
-  const cm_panel *pn = &r->panels[blk->first_panel];
-  const cm_panel_packer *stage2 = pn->decode ? r->decode_packer : r->packer;
-  float direct[CM_NR]; /* a row's values on their way into its stage-2 panel */
-  for (int64_t i = 0, in_panel = 0; i < rows; i++, in_panel++) {
-    if (in_panel == pn->rows) pn++, in_panel = 0;
+  /* gate into c0 and up into c1 as the activation takes them, row by row (each row reads only
+   * its own row of both): swiglu's columns de-interleaved, the bias added */
+  for (int64_t i = 0; i < rows && (interleaved || bias); i++) {
     float *h0 = c0 + i * CM_NR, *h1 = c1 + i * CM_NR;
-    float *out =
-        stage2->store_mid ? direct : r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile);
     if (interleaved) { /* column j: h rows 64 tile + 2j (gate) and 64 tile + 2j + 1 (up) */
       for (int j = 0; j < CM_NR; j++) {
         const float *h = j < 16 ? h0 : h1;
@@ -96,13 +98,28 @@ static void gemm1_task(void *ctx, int64_t t) {
         gate[j] = h[jj] + (bias ? bias[row0 + 2 * j] : 0.0f);
         up[j] = h[jj + 1] + (bias ? bias[row0 + 2 * j + 1] : 0.0f);
       }
-      h0 = gate, h1 = up;
-    } else if (bias) {
+      memcpy(h0, gate, sizeof gate);
+      memcpy(h1, up, sizeof up);
+    } else {
       for (int j = 0; j < CM_NR; j++) h0[j] += bias[row0 + j], h1[j] += bias[row1 + j];
     }
-    apply_activation(r->ew, p->activation, p->alpha, p->limit, CM_NR, h0, h1, out);
-    r->round16(CM_NR, out);
-    if (stage2->store_mid) stage2->store_mid(r, pn, (size_t)in_panel, 32 * tile, out);
+  }
+  /* the activation and its rounding over the block at once, then each row to where the down
+   * projection reads it (put_mid) */
+  CM_ALIGNED float act[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR];
+  const size_t values = (size_t)rows * CM_NR;
+  apply_activation(r->ew, p->activation, p->alpha, p->limit, values, c0, c1, act);
+  r->round16(values, act);
+  const cm_panel *pn = &r->panels[blk->first_panel];
+  const cm_panel_packer *stage2 = pn->decode ? r->decode_packer : r->packer;
+  for (int64_t i = 0, in_panel = 0; i < rows; i++, in_panel++) {
+    if (in_panel == pn->rows) pn++, in_panel = 0;
+    const float *v = act + i * CM_NR;
+    if (stage2->store_mid)
+      stage2->store_mid(r, pn, (size_t)in_panel, 32 * tile, v);
+    else
+      r->put_mid(CM_NR * sizeof(float), v,
+                 r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile));
   }
 }
 
@@ -191,6 +208,7 @@ cm_run cm_run_gemm1(const cpumoe_moe_problem *p, const cm_tier_config *tier,
       .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
       .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
+      .put_mid = copy_cached,
       .mr = gemm->mr,
       .n_tiles1 = p->N / CM_NR,
       .sorted = (const int32_t *)(ws + l->sorted),
@@ -233,9 +251,11 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
     r.m0 = m0;
     r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
-    r.store_y = (size_t)(r.mc * p->topk * p->K) * sizeof(float) <= CM_Y_CACHED_BYTES
-                    ? ew->bias_scale
-                    : ew->bias_scale_stream;
+    const size_t slots = (size_t)(r.mc * p->topk);
+    const int cached_y = slots * (size_t)p->K * sizeof(float) <= CM_CACHED_RESULT_BYTES;
+    const int cached_mid = slots * (size_t)p->N * sizeof(float) <= CM_CACHED_RESULT_BYTES;
+    r.store_y = cached_y ? ew->bias_scale : ew->bias_scale_stream;
+    r.put_mid = cached_mid ? copy_cached : ew->copy_stream;
     cm_route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                    (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
                    (cm_block *)(ws + l.blocks));
