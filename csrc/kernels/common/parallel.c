@@ -87,7 +87,8 @@ static int64_t drain(task_queue *q, int64_t worker) {
 
 static void drain_queue(void *arg, int64_t worker) {
   drain((task_queue *)arg, worker);
-  /* orders the worker's streaming stores (bias_scale_stream) before the stage ends */
+  /* orders the worker's streaming stores (bias_scale_stream, copy_stream) before the stage
+   * ends */
   atomic_thread_fence(memory_order_seq_cst);
 }
 
