@@ -1,0 +1,121 @@
+"""Paired timing of two builds of cpumoe on one case: which build is faster, and by how much.
+
+    python tools/ab_builds.py OLD_PYTHON_DIR NEW_PYTHON_DIR --scheme int8 --m 512
+
+Each directory is a `python/` tree with its own built extension (`python setup.py build_ext
+--inplace` in a checkout or a `git worktree` of each commit, then copy its `python/`). One
+long-lived worker process per build holds its own weight copies (as many as the bench
+cycles through, so weights come from DRAM) and the same 64 routings; the two take turns,
+the order swapping every round, and each round times `--calls` calls per build. Printed: each
+round's median ms per build and their ratio new / old, then the median ratio with the
+smallest and largest round. On the shared development VMs a single run of a case drifts by
+several percent from minute to minute; rounds a few seconds apart see the same drift, so
+their ratio does not (docs/PERFORMANCE-HISTORY.md: "The intermediate with streaming stores").
+Nothing else should run meanwhile, builds included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CALLS_BY_M = ((1, 100), (64, 30), (0, 10))  # (M up to, calls per round); 0 = any larger M
+
+
+def _worker(scheme: str, m: int, shape_name: str, seed: int) -> int:
+    """Builds the case and answers each line `n` on stdin with the median ms of n calls."""
+    import torch
+
+    from cpumoe.bench.schemes import ExpertWeights
+    from cpumoe.bench.shapes import make_routings, parse_shapes
+    from cpumoe.bench.timing import _layered_call
+
+    shape = parse_shapes(shape_name)[0]
+    dname = scheme if scheme in ("bf16", "fp16") else "bf16"
+    weights = ExpertWeights(shape, dname, seed, scheme=scheme)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + m)
+    x = torch.randn(m, shape.K, generator=g).to(torch.float16 if dname == "fp16" else torch.bfloat16)
+    routings = make_routings(64, m, shape.E, shape.topk, g)
+    call, layers = _layered_call(weights, x, None)
+    for r in routings[:4]:
+        call(r)
+    print(f"ready {layers}", flush=True)
+    i = 0
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            r = routings[i % len(routings)]
+            i += 1
+            t = time.perf_counter()
+            call(r)
+            times.append(time.perf_counter() - t)
+        print(statistics.median(times) * 1e3, flush=True)
+    return 0
+
+
+def _spawn(python_dir: str, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(python_dir))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--scheme", args.scheme,
+           "--m", str(args.m), "--shape", args.shape, "--seed", str(args.seed)]
+    # run outside any checkout, so that PYTHONPATH alone decides which cpumoe is imported
+    p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.abspath(os.sep))
+    ready = p.stdout.readline().split()
+    if not ready or ready[0] != "ready":
+        raise SystemExit(f"the worker for {python_dir} did not start (see its error above)")
+    return p
+
+
+def _round(p: subprocess.Popen, calls: int) -> float:
+    p.stdin.write(f"{calls}\n")
+    p.stdin.flush()
+    return float(p.stdout.readline())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", nargs="?", help="python/ dir of the old build")
+    ap.add_argument("new", nargs="?", help="python/ dir of the new build")
+    ap.add_argument("--scheme", default="bf16", help="bf16, fp16, int8, fp8, int4 or mxfp4")
+    ap.add_argument("--m", type=int, default=512, help="tokens per call")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="as the bench's --shape (one)")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--calls", type=int, help="calls per build and round (default by M)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args.scheme, args.m, args.shape, args.seed)
+    if not args.old or not args.new:
+        ap.error("give the old and the new build's python/ directories")
+    calls = args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
+    old, new = _spawn(args.old, args), _spawn(args.new, args)
+    ratios, old_ms, new_ms = [], [], []
+    try:
+        for k in range(args.rounds):
+            if k % 2:
+                b = _round(new, calls)
+                a = _round(old, calls)
+            else:
+                a = _round(old, calls)
+                b = _round(new, calls)
+            old_ms.append(a)
+            new_ms.append(b)
+            ratios.append(b / a)
+            print(f"round {k}: old {a:.3f} ms, new {b:.3f} ms, new/old {b / a:.3f}", flush=True)
+    finally:
+        for p in (old, new):
+            p.stdin.close()
+            p.wait()
+    print(f"{args.shape} {args.scheme} M={args.m}: old {statistics.median(old_ms):.3f} ms, "
+          f"new {statistics.median(new_ms):.3f} ms; new/old median {statistics.median(ratios):.3f} "
+          f"(rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
