@@ -991,3 +991,24 @@ def test_bench_routing(tmp_path, monkeypatch, capsys):
         order_got, order_want = got[1].argsort(-1), want[1].argsort(-1)
         torch.testing.assert_close(got[0].gather(1, order_got), want[0].gather(1, order_want),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_ab_builds_tool():
+    """tools/ab_builds.py pairs two builds; here the same one twice (an A/A run) on a tiny
+    shape: both workers start, every round prints, the summary's ratio is near 1."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(cpumoe.__file__)))
+    tool = os.path.join(REPO, "tools", "ab_builds.py")
+    res = subprocess.run(
+        [sys.executable, tool, pkg_parent, pkg_parent, "--scheme", "int8", "--m", "3",
+         "--shape", SHAPE, "--rounds", "3", "--calls", "2"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines[:3]] == ["round 0", "round 1", "round 2"]
+    summary = lines[-1]
+    assert summary.startswith("custom") and "int8 M=3" in summary, summary
+    ratio = float(summary.split("new/old median ")[1].split()[0])
+    assert 0.2 < ratio < 5, summary  # the same build: timing noise only, never a crash or 0
+    missing = subprocess.run([sys.executable, tool, pkg_parent], env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "old and the new build" in missing.stderr
