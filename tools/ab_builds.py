@@ -28,20 +28,17 @@ CALLS_BY_M = ((1, 100), (64, 30), (0, 10))  # (M up to, calls per round); 0 = an
 
 def _worker(scheme: str, m: int, shape_name: str, seed: int) -> int:
     """Builds the case and answers each line `n` on stdin with the median ms of n calls."""
-    import torch
-
     from cpumoe.bench.schemes import ExpertWeights
-    from cpumoe.bench.shapes import make_routings, parse_shapes
-    from cpumoe.bench.timing import _layered_call
+    from cpumoe.bench.shapes import DTYPES, make_routings, parse_shapes
+    from cpumoe.bench.timing import _case_inputs, _layered_call
 
     shape = parse_shapes(shape_name)[0]
     dname = scheme if scheme in ("bf16", "fp16") else "bf16"
     weights = ExpertWeights(shape, dname, seed, scheme=scheme)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + m)
-    x = torch.randn(m, shape.K, generator=g).to(torch.float16 if dname == "fp16" else torch.bfloat16)
+    g, x, warm = _case_inputs(shape, m, DTYPES[dname], seed)  # the bench's inputs for the case
     routings = make_routings(64, m, shape.E, shape.topk, g)
     call, layers = _layered_call(weights, x, None)
-    for r in routings[:4]:
+    for r in warm:
         call(r)
     print(f"ready {layers}", flush=True)
     i = 0
