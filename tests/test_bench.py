@@ -995,20 +995,29 @@ def test_bench_routing(tmp_path, monkeypatch, capsys):
 
 def test_ab_builds_tool():
     """tools/ab_builds.py pairs two builds; here the same one twice (an A/A run) on a tiny
-    shape: both workers start, every round prints, the summary's ratio is near 1."""
+    shape: both workers start, every round prints, the summary's ratio is near 1. Rounds of
+    20 calls: with 2, one slow call in a round swung its ratio from 0.03 to 40 and the median
+    of 3 rounds past 5 (seen once)."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(cpumoe.__file__)))
     tool = os.path.join(REPO, "tools", "ab_builds.py")
     res = subprocess.run(
         [sys.executable, tool, pkg_parent, pkg_parent, "--scheme", "int8", "--m", "3",
-         "--shape", SHAPE, "--rounds", "3", "--calls", "2"],
+         "--shape", SHAPE, "--rounds", "5", "--calls", "20"],
         env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    assert [ln.split(":")[0] for ln in lines[:3]] == ["round 0", "round 1", "round 2"]
+    assert [ln.split(":")[0] for ln in lines[:5]] == [f"round {k}" for k in range(5)]
     summary = lines[-1]
     assert summary.startswith("custom") and "int8 M=3" in summary, summary
     ratio = float(summary.split("new/old median ")[1].split()[0])
     assert 0.2 < ratio < 5, summary  # the same build: timing noise only, never a crash or 0
+    linear = subprocess.run(
+        [sys.executable, tool, pkg_parent, pkg_parent, "--scheme", "bf16", "--m", "3",
+         "--linear", "custom:64,96", "--rounds", "2", "--calls", "5"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert linear.returncode == 0, linear.stderr
+    summary = linear.stdout.strip().splitlines()[-1]
+    assert summary.startswith("linear custom:64,96 bf16 M=3: old "), summary
     missing = subprocess.run([sys.executable, tool, pkg_parent], env=subprocess_env(),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "old and the new build" in missing.stderr

@@ -1,6 +1,11 @@
 """Paired timing of two builds of cpumoe on one case: which build is faster, and by how much.
 
     python tools/ab_builds.py OLD_PYTHON_DIR NEW_PYTHON_DIR --scheme int8 --m 512
+    python tools/ab_builds.py OLD_PYTHON_DIR NEW_PYTHON_DIR --scheme bf16 --m 512 \
+        --linear qwen3-30b-a3b-q
+
+`--linear SHAPE` times the dense linear op of the scheme on one of `python -m cpumoe bench
+linear`'s shapes (or `custom:K,N`) instead of the fused MoE.
 
 Each directory is a `python/` tree with its own built extension (`python setup.py build_ext
 --inplace` in a checkout or a `git worktree` of each commit, then copy its `python/`). One
@@ -26,8 +31,39 @@ import time
 CALLS_BY_M = ((1, 100), (64, 30), (0, 10))  # (M up to, calls per round); 0 = any larger M
 
 
-def _worker(scheme: str, m: int, shape_name: str, seed: int) -> int:
+def _linear_case(scheme: str, m: int, shape_name: str, seed: int):
+    """The dense linear's call (copy index -> output) as `python -m cpumoe bench linear`
+    builds it: its weights, copies and rows."""
+    import torch
+
+    from cpumoe.bench.linear import default_copies, make_weights, parse_shapes
+    from cpumoe.bench.shapes import DTYPES
+
+    K, N = next(iter(parse_shapes(shape_name).values()))
+    dtype = DTYPES[scheme if scheme in ("bf16", "fp16") else "bf16"]
+    first = make_weights(scheme, dtype, K, N, 1, seed)
+    w = make_weights(scheme, dtype, K, N, default_copies(first.nbytes), seed)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return lambda i: w.op(x, *w.args[i % len(w.args)]), len(w.args)
+
+
+def _worker(scheme: str, m: int, shape_name: str, seed: int, linear: str) -> int:
     """Builds the case and answers each line `n` on stdin with the median ms of n calls."""
+    if linear:
+        call, copies = _linear_case(scheme, m, linear, seed)
+        for i in range(3):
+            call(i)
+        print(f"ready {copies}", flush=True)
+        i = 0
+        for line in sys.stdin:
+            times = []
+            for _ in range(int(line)):
+                t = time.perf_counter()
+                call(i)
+                times.append(time.perf_counter() - t)
+                i += 1
+            print(statistics.median(times) * 1e3, flush=True)
+        return 0
     from cpumoe.bench.schemes import ExpertWeights
     from cpumoe.bench.shapes import DTYPES, make_routings, parse_shapes
     from cpumoe.bench.timing import _case_inputs, _layered_call
@@ -57,7 +93,8 @@ def _worker(scheme: str, m: int, shape_name: str, seed: int) -> int:
 def _spawn(python_dir: str, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(python_dir))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--scheme", args.scheme,
-           "--m", str(args.m), "--shape", args.shape, "--seed", str(args.seed)]
+           "--m", str(args.m), "--shape", args.shape, "--seed", str(args.seed),
+           "--linear", args.linear]
     # run outside any checkout, so that PYTHONPATH alone decides which cpumoe is imported
     p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          cwd=os.path.abspath(os.sep))
@@ -80,13 +117,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scheme", default="bf16", help="bf16, fp16, int8, fp8, int4 or mxfp4")
     ap.add_argument("--m", type=int, default=512, help="tokens per call")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="as the bench's --shape (one)")
+    ap.add_argument("--linear", default="", metavar="SHAPE",
+                    help="time the dense linear op on this bench-linear shape instead")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, help="calls per build and round (default by M)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args.scheme, args.m, args.shape, args.seed)
+        return _worker(args.scheme, args.m, args.shape, args.seed, args.linear)
     if not args.old or not args.new:
         ap.error("give the old and the new build's python/ directories")
     calls = args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
@@ -108,7 +147,8 @@ def main(argv=None) -> int:
         for p in (old, new):
             p.stdin.close()
             p.wait()
-    print(f"{args.shape} {args.scheme} M={args.m}: old {statistics.median(old_ms):.3f} ms, "
+    case = f"linear {args.linear}" if args.linear else args.shape
+    print(f"{case} {args.scheme} M={args.m}: old {statistics.median(old_ms):.3f} ms, "
           f"new {statistics.median(new_ms):.3f} ms; new/old median {statistics.median(ratios):.3f} "
           f"(rounds {min(ratios):.3f}-{max(ratios):.3f})")
     return 0

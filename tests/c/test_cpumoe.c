@@ -1441,15 +1441,18 @@ typedef struct linear_case {
 } linear_case;
 
 /* 1030 and 1100 rows are two chunks; INT4 group 4 makes blocks of 4 k; FP8 blocks that
- * divide neither dimension. */
+ * divide neither dimension; the "streamed" cases have more than CM_CACHED_RESULT_BYTES of
+ * output (256 KiB), which is written with streaming stores. */
 /* clang-format off */
 static const linear_case g_linear_cases[] = {
   /* name               scheme   act     M     K    N   b1  b2  bias */
   {"bf16 decode",       UNQUANT, BF16,    1,  64,  96,  0,  0, 1},
   {"fp16 tails",        UNQUANT, F16,    61,  96, 160,  0,  0, 1},
   {"bf16 2 chunks",     UNQUANT, BF16, 1100,  32,  64,  0,  0, 0},
+  {"bf16 streamed",     UNQUANT, BF16,  600,  64, 288,  0,  0, 1},
   {"int8 decode",       INT8,    BF16,    1,  96,  64,  0,  0, 1},
   {"int8 rows",         INT8,    F16,    50, 160,  32,  0,  0, 0},
+  {"int8 streamed",     INT8,    F16,   520,  96, 256,  0,  0, 1},
   {"fp8 decode",        FP8,     BF16,    2,  96,  96, 32, 64, 1},
   {"fp8 odd blocks",    FP8,     F16,    37, 160,  64, 48,  6, 1},
   {"int4 decode",       INT4,    BF16,    1, 256,  64, 128, 0, 1},

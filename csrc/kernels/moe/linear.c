@@ -19,6 +19,11 @@
  *            once per group while the group's panels stay in cache. Workers own contiguous
  *            runs of tasks: decode (one block) splits over the tiles, prefill over groups
  *            and tiles. The order changes no result (each task is a fixed computation).
+ * OUTPUT     a task writes 64 bytes of each of its rows, N * 2 bytes apart. Above
+ *            CM_CACHED_RESULT_BYTES of output these go out with streaming stores: plain
+ *            stores read every line first and, the rows of a task being a multiple of 4 KiB
+ *            apart for N % 2048 == 0, all fall into one L1 set. Qwen3 q projection M = 512
+ *            (4 MiB out), amx tier: bf16 0.87x, INT8 0.86x, INT4 0.78x the time.
  * EXAMPLE    Qwen3-30B-A3B attention: K=2048 -> N=4096 (q projection) and K=4096 -> N=2048
  *            (o projection); M=1 is 128 or 64 tasks of one row, each streaming a 32-row tile.
  */
@@ -38,6 +43,7 @@ typedef struct cm_linear_run {
   cm_run run; /* the first-GEMM fields of a fused MoE chunk */
   const cpumoe_linear_problem *lp;
   int64_t group_blocks; /* blocks per task group */
+  int stream_out;       /* out is written with streaming stores (CM_CACHED_RESULT_BYTES) */
 } cm_linear_run;
 
 /* The linear as the one-expert MLP whose first GEMM it is: w1 is the linear's weight, its
@@ -167,7 +173,13 @@ static void gemm_task(void *ctx, int64_t t) {
       r->ew->bias_scale(CM_NR, h, bias, 1.0f, row);
       h = row;
     }
-    r->narrow(CM_NR, h, out);
+    if (lr->stream_out) {
+      CM_ALIGNED uint16_t narrowed[CM_NR];
+      r->narrow(CM_NR, h, narrowed);
+      r->ew->copy_stream(sizeof narrowed, narrowed, out);
+    } else {
+      r->narrow(CM_NR, h, out);
+    }
   }
 }
 
@@ -193,6 +205,7 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *p, void *workspace, siz
       .group_blocks = block_panel_bytes >= CM_LINEAR_GROUP_PANEL_BYTES
                           ? 1
                           : (int64_t)(CM_LINEAR_GROUP_PANEL_BYTES / block_panel_bytes),
+      .stream_out = (size_t)p->M * (size_t)p->N * 2 > CM_CACHED_RESULT_BYTES,
   };
   cm_run *r = &lr.run;
   r->n_tiles1 = p->N / CM_NR; /* the linear's output tiles (as_mlp's N is K) */

@@ -52,6 +52,15 @@
 #define CM_PANELS_PER_BLOCK 4  /* up to 4 x mr rows share one pass over a weight tile */
 #define CM_PACK_COLS 64        /* columns widened per step when packing A panels */
 #define CM_INT8_MIN_AMAX 1e-7f /* floor of a row's absmax before quantizing (all-zero rows) */
+/* Results a later stage (or the caller) reads back: the intermediate (written by gemm1, read
+ * by pack2 or the down projection), the down projection's per-slot rows y (fp32
+ * [mc * topk][K], read by the reduce stage) and the dense linear's output. Up to this many
+ * bytes (fp32 size for the MoE's, the output's own size for the linear's) they are stored
+ * normally and stay in cache; above, with streaming stores, which spare the cache and the
+ * read-for-ownership traffic. Measured for y at Qwen3 M <= 16, for the intermediate at Qwen3
+ * M = 512 (2-4 % faster with every scheme) and for the linear's output at M = 512
+ * (docs/PERFORMANCE-HISTORY.md). */
+#define CM_CACHED_RESULT_BYTES (256u << 10)
 /* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
  * so that no such access splits across two lines. */
 #define CM_ALIGNED _Alignas(64)

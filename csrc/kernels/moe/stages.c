@@ -11,13 +11,6 @@
 #include "moe/pipeline.h"
 
 #define CM_REDUCE_COLS 512 /* columns summed per step of the reduce stage */
-/* Results a later stage reads back: the intermediate (written by gemm1, read by pack2 or the
- * down projection) and the down projection's per-slot rows y (fp32 [mc * topk][K], read by
- * the reduce stage). Up to this many bytes (fp32 size) they are stored normally and stay in
- * cache for that stage; above, with streaming stores, which spare the cache and the
- * read-for-ownership traffic. Measured for y at Qwen3 M <= 16, and for the intermediate at
- * Qwen3 M = 512: 2-4 % faster with every scheme (docs/PERFORMANCE-HISTORY.md). */
-#define CM_CACHED_RESULT_BYTES (256u << 10)
 
 /* Task t of a gemm stage with `tiles` column tiles per block -> (block, tile).
  * Tasks are numbered expert by expert and, within an expert, tile-major: the blocks
