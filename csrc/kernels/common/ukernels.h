@@ -27,6 +27,8 @@
 
 #define CM_NR 32     /* output channels per packed weight block and per C tile */
 #define CM_MR_MAX 32 /* rows of the widest panel: two AMX tiles of 16 */
+/* panels of the largest block (the dense linear's; the fused MoE's have 4, moe/pipeline.h) */
+#define CM_PANELS_PER_BLOCK_MAX 8
 /* Longest int8 reduction with exact int32 sums: k * 255 * 128 < 2^31 (and 128 * 127 * k
  * for the compensation). */
 #define CM_INT8_MAX_REDUCTION 65536
@@ -287,6 +289,10 @@ typedef struct cm_gemm_config {
    * while it is in L1, each call prefetching its share of the next chunk. 0 or 1: every
    * block of several panels goes in chunks. */
   size_t panel_major_panels;
+  /* Panels per block of the dense linear (moe/linear.c) where that many panels' A rows fit
+   * its cache budget: CM_PANELS_PER_BLOCK_MAX (8) where the scheme's block GEMM keeps up with
+   * them in L1, 0 for the fused MoE's 4. */
+  size_t linear_block_panels;
   union {
     cm_unquant_kernels unquant;
     cm_int8_kernels int8;

@@ -255,6 +255,11 @@ static void cm_config_init__amx(cm_tier_config *c) {
    * panel. INT8 stays in chunks: panel by panel took 31.18-31.52 against 30.29-30.68 ms at
    * M=512 (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). */
   bf16->panel_major_panels = 2;
+  /* The dense linear's blocks of 8 panels where 8 panels' A rows fit 1 MiB (Qwen3 q projection
+   * M = 512, paired A/B against blocks of 4: bf16 0.89-0.92, INT8 0.97, INT4 0.96; o
+   * projection INT8 0.90, INT4 0.97). Not FP8 (1.28: its per-panel sums and C tiles of 8
+   * panels, folded every K block, no longer fit L1). */
+  bf16->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
   cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
   fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
@@ -273,8 +278,10 @@ static void cm_config_init__amx(cm_tier_config *c) {
     g->kernels.int8.gemm_decode = g->kernels.int8.gemm;
     g->decode_max_rows = CM_AMX_INT8_VECTOR_ROWS;
     on_tiles(g, CM_PANEL_U8_ROWS)->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
-    on_tiles(&c->gemm[CM_INT4][act], CM_PANEL_U8_ROWS)->kernels.int4.gemm_u8s8 =
-        cm_u8s8_gemm_rows_mrx32__amx;
+    g->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
+    cm_gemm_config *int4 = on_tiles(&c->gemm[CM_INT4][act], CM_PANEL_U8_ROWS);
+    int4->kernels.int4.gemm_u8s8 = cm_u8s8_gemm_rows_mrx32__amx;
+    int4->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
   }
 }
 

@@ -64,6 +64,9 @@
 /* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
  * so that no such access splits across two lines. */
 #define CM_ALIGNED _Alignas(64)
+/* the dense linear's blocks of CM_PANELS_PER_BLOCK_MAX panels keep the fused MoE's block
+ * boundaries (moe/route.c) */
+_Static_assert(CM_PANELS_PER_BLOCK_MAX % CM_PANELS_PER_BLOCK == 0, "blocks of the linear");
 /* Size limits (validate): slots of a chunk are indexed with int32 and experts stored as int32;
  * with at most 2^24 slots per chunk and K, N <= 2^30 no workspace region exceeds 2^56 bytes. */
 #define CM_MAX_TOPK 16384
@@ -152,6 +155,9 @@ struct cm_run {
   cm_narrow_fn narrow;
   cm_round_fn round16;
   size_t mr;
+  /* route cuts an expert's panels into blocks of this many: CM_PANELS_PER_BLOCK, or a
+   * multiple of it (moe/route.c) */
+  int64_t panels_per_block;
   int64_t m0, mc, n_blocks, n_tiles1, n_tiles2;
   const int32_t *sorted; /* chunk-local slot indices, grouped by expert */
   const float *weights;  /* [mc * topk] topk weights as fp32 */

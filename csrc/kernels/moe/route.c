@@ -2,7 +2,7 @@
  * Routing of one chunk: the chunk's slots (token, j) counting-sorted by expert, stable, so
  * each expert's slots are consecutive and in token order; each expert's run cut into
  * panels of at most mr rows, and consecutive panels into blocks of up to
- * CM_PANELS_PER_BLOCK that share one pass over each weight tile; a block of at most the
+ * r->panels_per_block that share one pass over each weight tile; a block of at most the
  * config's decode_max_rows rows marks its panels for the decode kernel. Serial: it is a few
  * passes over M * topk integers.
  */
@@ -39,7 +39,13 @@ void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights
     const int64_t expert_first_block = n_blocks;
     for (int64_t first = 0; first < count; first += (int64_t)r->mr) {
       const int64_t rows = count - first < (int64_t)r->mr ? count - first : (int64_t)r->mr;
-      if (first % ((int64_t)r->mr * CM_PANELS_PER_BLOCK) == 0)
+      /* a block starts every panels_per_block panels; with more than CM_PANELS_PER_BLOCK (the
+       * dense linear), also where the fused MoE's would start one for a tail short enough
+       * for the decode kernel, so that such rows take the kernel they take there */
+      const int64_t mr = (int64_t)r->mr;
+      if (first % (mr * r->panels_per_block) == 0 ||
+          (first % (mr * CM_PANELS_PER_BLOCK) == 0 &&
+           (size_t)(count - first) <= r->gemm->decode_max_rows))
         blocks[n_blocks++] = (cm_block){.first_panel = (int32_t)n_panels};
       blocks[n_blocks - 1].panels++;
       panels[n_panels++] =

@@ -55,8 +55,9 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)(expert * n_blocks * k_blocks);
   const int convert = !r->panels[blk->first_panel].decode;
   float col_scale[CM_NR];
-  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR];                    /* room for fp32 values */
-  CM_ALIGNED float sums[CM_PANELS_PER_BLOCK * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
+  CM_ALIGNED float decoded[CM_FP8_KC * CM_NR]; /* room for fp32 values */
+  CM_ALIGNED float
+      sums[CM_PANELS_PER_BLOCK_MAX * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   /* stepped from column to column, not divided per column */
   int64_t n_block = row0 / p->block_n, next_block_row = (n_block + 1) * p->block_n;

@@ -42,7 +42,7 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
   const float *w_scale =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
   const cm_gemm_u8s8_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
-  CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK][CM_MR_MAX * CM_NR];
+  CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK_MAX][CM_MR_MAX * CM_NR];
   /* one panel shares nothing: one call over the whole reduction (a tile kernel then loads
    * and stores its accumulators once), nor does a block the config runs panel by panel */
   const int64_t chunk = cm_block_chunk(r, blk, red, CM_INT8_KC);
