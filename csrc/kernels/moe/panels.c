@@ -55,21 +55,29 @@ static float u8_row_scale(float amax, float *scale) {
   return 127.0f / amax;
 }
 
+/* Columns of an x row widened per step when quantizing it: a row of up to this many (4096,
+ * Qwen3's and Mixtral's hidden sizes and below) is widened once and kept for both passes;
+ * a longer one is widened twice, once per pass. The elementwise calls run over 16 KiB at a
+ * time instead of CM_PACK_COLS (64) columns: the INT8 linear at M = 512 (Qwen3 q projection,
+ * amx) took 0.94-0.98x the time, INT4's o projection 0.95x, the fused MoE the same. */
+#define CM_QUANT_ROW_COLS 4096
+
 /* Token t's x row quantized once: xq (u8) and xs (its scale). */
 static void prepare_token_u8(const cm_run *r, int64_t t) {
   const cpumoe_moe_problem *p = r->p;
   const int64_t K = p->K;
   const uint16_t *x = (const uint16_t *)p->x + (r->m0 + t) * K;
-  float tmp[CM_PACK_COLS], amax = 0.0f;
-  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
-    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
+  CM_ALIGNED float tmp[CM_QUANT_ROW_COLS];
+  float amax = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += CM_QUANT_ROW_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_QUANT_ROW_COLS ? K - k0 : CM_QUANT_ROW_COLS);
     r->widen(n, x + k0, tmp);
     amax = r->ew->absmax(n, tmp, amax);
   }
   const float inv_scale = u8_row_scale(amax, &r->xs[t]);
-  for (int64_t k0 = 0; k0 < K; k0 += CM_PACK_COLS) {
-    const size_t n = (size_t)(K - k0 < CM_PACK_COLS ? K - k0 : CM_PACK_COLS);
-    r->widen(n, x + k0, tmp);
+  for (int64_t k0 = 0; k0 < K; k0 += CM_QUANT_ROW_COLS) {
+    const size_t n = (size_t)(K - k0 < CM_QUANT_ROW_COLS ? K - k0 : CM_QUANT_ROW_COLS);
+    if (K > CM_QUANT_ROW_COLS) r->widen(n, x + k0, tmp); /* else tmp holds the row */
     r->ew->quantize_u8(n, tmp, inv_scale, r->xq + (size_t)(t * K + k0));
   }
 }
