@@ -126,9 +126,11 @@ typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const void *a_panel, size_t
  * the format of the config's gemm_chunk kernel (fp32 [kc][32], or bf16 VNNI-2 [kc/2][32][2]),
  * then P[mr][32] (+)= A_panel x that chunk (cm_gemm_fn) over the block's chunks ... */
 typedef void (*cm_fp8_decode_fn)(size_t kc, const uint8_t *b, void *dst);
-/* ... and at the block's end C[r][n] = fmaf(P[r][n], scale[n], accumulate ? C : +0). */
+/* ... and at the block's end C[r][n] = fmaf(P[r][n], scale[n], accumulate ? C : +0) * post,
+ * two roundings (post = 1: the fmaf alone); the last block passes post = 2^8, which takes C
+ * out of its 2^-8 scaling in the same pass. */
 typedef void (*cm_fp8_fold_fn)(size_t mr, const float *p, const float *scale, float *c,
-                               int accumulate);
+                               int accumulate, float post);
 
 /* INT4 W4A8: one 32-column tile of packed weights (layout: common/int4.h). */
 typedef struct cm_int4_tile {
@@ -368,7 +370,7 @@ const cm_tier_config *cm_active_config(void);
   void cm_copy_stream__##tier(size_t, const void *, void *);                               \
   float cm_absmax__##tier(size_t, const float *, float);                                   \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \
-  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int);            \
+  void cm_fp8_fold__##tier(size_t, const float *, const float *, float *, int, float);     \
   void cm_exp_shifted__##tier(size_t, const float *, float, float *);                      \
   void cm_sigmoid__##tier(size_t, const float *, float *);                                 \
   void cm_sqrtsoftplus__##tier(size_t, const float *, float *);

@@ -156,8 +156,15 @@ void CM_TIERED(cm_copy_stream)(size_t bytes, const void *restrict src, void *res
 }
 
 void CM_TIERED(cm_fp8_fold)(size_t mr, const float *restrict p, const float *restrict scale,
-                            float *restrict c, int accumulate) {
+                            float *restrict c, int accumulate, float post) {
+  if (post == 1.0f) { /* x * 1 is x: spare the multiply */
+    for (size_t r = 0; r < mr; r++)
+      for (size_t n = 0; n < CM_NR; n++)
+        c[r * CM_NR + n] = fmaf(p[r * CM_NR + n], scale[n], accumulate ? c[r * CM_NR + n] : 0.0f);
+    return;
+  }
   for (size_t r = 0; r < mr; r++)
     for (size_t n = 0; n < CM_NR; n++)
-      c[r * CM_NR + n] = fmaf(p[r * CM_NR + n], scale[n], accumulate ? c[r * CM_NR + n] : 0.0f);
+      c[r * CM_NR + n] =
+          fmaf(p[r * CM_NR + n], scale[n], accumulate ? c[r * CM_NR + n] : 0.0f) * post;
 }

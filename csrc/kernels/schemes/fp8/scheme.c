@@ -98,13 +98,16 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
         sq += rows * CM_NR;
       }
     }
+    /* C holds the result times 2^-8; the last fold scales it back */
+    const float post = kb + 1 == k_blocks ? 256.0f : 1.0f;
     float *cq = c, *sq = sums;
     for (int32_t q = 0; q < blk->panels; q++) {
       const size_t rows = (size_t)r->panels[blk->first_panel + q].rows;
-      k->fold(rows, sq, col_scale, cq, kb > 0);
+      k->fold(rows, sq, col_scale, cq, kb > 0, post);
       cq += rows * CM_NR, sq += rows * CM_NR;
     }
   }
+  if (convert) return;
   const size_t tile_values = (size_t)cm_block_rows(r, blk) * CM_NR;
   for (size_t i = 0; i < tile_values; i++) c[i] *= 256.0f; /* C held the result times 2^-8 */
 }
