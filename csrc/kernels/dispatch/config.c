@@ -257,10 +257,13 @@ static void cm_config_init__amx(cm_tier_config *c) {
   bf16->panel_major_panels = 2;
   /* The dense linear's blocks of 8 panels where 8 panels' A rows fit 1 MiB (Qwen3 q projection
    * M = 512, paired A/B against blocks of 4: bf16 0.89-0.92, INT8 0.97, INT4 0.96; o
-   * projection INT8 0.90, INT4 0.97). Not FP8 (1.28: its per-panel sums and C tiles of 8
-   * panels, folded every K block, no longer fit L1). */
+   * projection INT8 0.90, INT4 0.97). FP8 too, since a K block of one chunk folds each panel
+   * as soon as its tiles are done (0.96; 1.28 while the 8 panels' sums waited for one fold
+   * pass and overflowed L1). */
   bf16->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
-  cm_fp8_kernels *fp8 = &on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS)->kernels.fp8;
+  cm_gemm_config *fp8_config = on_tiles(&c->gemm[CM_FP8][CM_BF16], CM_PANEL_BF16_ROWS);
+  fp8_config->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
+  cm_fp8_kernels *fp8 = &fp8_config->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
   fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
   /* MXFP4 with bf16 activations: tdpbf16ps for every block, so a token's bits do not depend

@@ -82,10 +82,15 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
       }
       continue;
     }
+    /* C holds the result times 2^-8; the last fold scales it back */
+    const float post = kb + 1 == k_blocks ? 256.0f : 1.0f;
+    /* a K block of one chunk (block_k <= CM_FP8_KC, 128 in the checkpoints) folds each panel's
+     * sums right after its tile calls, through one panel's buffer that stays in L1 */
+    const int one_chunk = k_end - k_begin <= CM_FP8_KC;
     for (int64_t k0 = k_begin; k0 < k_end; k0 += CM_FP8_KC) {
       const int64_t kc = k_end - k0 < CM_FP8_KC ? k_end - k0 : CM_FP8_KC;
       k->decode_chunk((size_t)kc, w + k0 * CM_NR, decoded);
-      float *sq = sums;
+      float *sq = sums, *cq = c;
       for (int32_t q = 0; q < blk->panels; q++) {
         const cm_panel *pn = &r->panels[blk->first_panel + q];
         const size_t rows = (size_t)pn->rows;
@@ -95,11 +100,14 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
          * meanwhile, so the memory stream goes on while the tiles compute */
         k->gemm_chunk(rows, (size_t)kc, panel, a_stride, decoded, sq, k0 > k_begin,
                       cm_prefetch_share(w + (k0 + kc) * CM_NR, (size_t)kc * CM_NR, q, blk->panels));
-        sq += rows * CM_NR;
+        if (one_chunk)
+          k->fold(rows, sq, col_scale, cq, kb > 0, post);
+        else
+          sq += rows * CM_NR;
+        cq += rows * CM_NR;
       }
     }
-    /* C holds the result times 2^-8; the last fold scales it back */
-    const float post = kb + 1 == k_blocks ? 256.0f : 1.0f;
+    if (one_chunk) continue;
     float *cq = c, *sq = sums;
     for (int32_t q = 0; q < blk->panels; q++) {
       const size_t rows = (size_t)r->panels[blk->first_panel + q].rows;
