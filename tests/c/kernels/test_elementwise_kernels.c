@@ -1,0 +1,142 @@
+/*
+ * Bit-for-bit checks of the elementwise kernels that are written with intrinsics on some tiers
+ * (elementwise/elementwise-impl.h), against a plain-C restatement of their contract:
+ *   - quantize_u8: q = clamp(round_half_even(x * inv_scale), -127, 127) + 128, NaN -> 128,
+ *     on every value class (NaN, infinities, signed zeros, ties at +-0.5 .. +-127.5, values
+ *     just inside and past the clamp, huge and tiny), on random values, at every length from 0
+ *     to 70 (the vector loops' tails) and with inv_scale 1, random, 0, infinity and NaN.
+ * Its own program, linked with the core's objects by tools/build_c_tests.py: natively it runs
+ * the tiers the CPU has (and says which it skipped); the emulated build runs every tier.
+ * Prints one line per group of checks; exits 1 when a check failed.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/ukernels.h"
+
+#include "cpumoe/cpumoe.h"
+
+#define KERNEL_TEST_SEED 0x6a09e667f3bcc909u
+#include "kernel_test.h" /* rnd, xmalloc, the precondition hook */
+
+static int g_checks, g_failures;
+
+static void check(int ok, const char *what, const char *tier, size_t n, float inv_scale) {
+  g_checks++;
+  if (ok) return;
+  if (++g_failures <= 20)
+    fprintf(stderr, "FAIL: %s [%s] (n %zu, inv_scale %g)\n", what, tier, n, (double)inv_scale);
+}
+
+typedef struct tier_kernels {
+  const char *name;
+  cpumoe_isa isa;
+  void (*quantize_u8)(size_t n, const float *x, float inv_scale, uint8_t *q);
+} tier_kernels;
+
+static const tier_kernels g_tiers[] = {
+    {"scalar", CPUMOE_ISA_SCALAR, cm_quantize_u8__scalar},
+    {"avx2", CPUMOE_ISA_AVX2, cm_quantize_u8__avx2},
+    {"avx512", CPUMOE_ISA_AVX512, cm_quantize_u8__avx512},
+};
+
+static int runs(cpumoe_isa isa) {
+#ifdef CPUMOE_EMULATE_TIERS
+  (void)isa;
+  return 1;
+#else
+  return cpumoe_isa_native(isa);
+#endif
+}
+
+/* The contract, in double where it can be: the product rounded to float as the kernel
+ * rounds it, then half-to-even rounding by hand (no dependence on the rounding mode). */
+static uint8_t quantize_spec(float x, float inv_scale) {
+  const float v = x * inv_scale;
+  if (v != v) return 128;
+  if (v >= 127.0f) return 255;
+  if (v <= -127.0f) return 1;
+  const double fl = floor((double)v), frac = (double)v - fl;
+  double r = frac > 0.5 ? fl + 1 : fl;
+  if (frac == 0.5) r = fmod(fl, 2.0) == 0.0 ? fl : fl + 1;
+  return (uint8_t)((int)r + 128);
+}
+
+static float rnd_float(void) { /* spread over magnitudes 2^-20 .. 2^10, either sign */
+  const double u = (double)(rnd() >> 11) / 9007199254740992.0;
+  const double m = ldexp(1.0 + u, (int)(rnd() % 31) - 20);
+  return (float)(rnd() & 1 ? -m : m);
+}
+
+enum { VALUES = 4096, MAX_TAIL = 70 };
+
+static void check_quantize_u8(void) {
+  static float x[VALUES];
+  static uint8_t q[VALUES + 64], want[VALUES];
+  size_t count = 0;
+  const float special[] = {NAN,
+                           -NAN,
+                           INFINITY,
+                           -INFINITY,
+                           0.0f,
+                           -0.0f,
+                           1e-30f,
+                           -1e-30f,
+                           3e38f,
+                           -3e38f,
+                           127.0f,
+                           -127.0f,
+                           nextafterf(127.0f, 200.0f),
+                           nextafterf(-127.0f, -200.0f),
+                           nextafterf(127.5f, 0.0f),
+                           nextafterf(-127.5f, 0.0f),
+                           2147483648.0f,
+                           -2147483648.0f};
+  for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) x[count++] = special[i];
+  for (int t = -128; t <= 127; t++) { /* every tie and both its neighbours */
+    const float tie = (float)t + 0.5f;
+    x[count++] = tie;
+    x[count++] = nextafterf(tie, -1000.0f);
+    x[count++] = nextafterf(tie, 1000.0f);
+    x[count++] = (float)t;
+  }
+  while (count < VALUES) x[count++] = rnd_float();
+  const float scales[] = {1.0f, 0.37f, 127.0f / 3.5f, 0.0f, INFINITY, NAN};
+  for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
+    const tier_kernels *tk = &g_tiers[t];
+    if (!runs(tk->isa)) {
+      printf("quantize_u8: %s skipped, this CPU lacks the tier\n", tk->name);
+      continue;
+    }
+    const int checks = g_checks;
+    for (size_t s = 0; s < sizeof scales / sizeof scales[0]; s++) {
+      const float inv = scales[s];
+      for (size_t i = 0; i < VALUES; i++) want[i] = quantize_spec(x[i], inv);
+      /* the whole array from several offsets (unaligned starts), then every short length */
+      for (size_t off = 0; off < 4; off++) {
+        memset(q, 0xa5, sizeof q);
+        tk->quantize_u8(VALUES - off, x + off, inv, q);
+        check(memcmp(q, want + off, VALUES - off) == 0 && q[VALUES - off] == 0xa5,
+              "quantize_u8 of every value class", tk->name, VALUES - off, inv);
+      }
+      for (size_t n = 0; n <= MAX_TAIL; n++) {
+        memset(q, 0xa5, sizeof q);
+        tk->quantize_u8(n, x + 1, inv, q);
+        check(memcmp(q, want + 1, n) == 0 && q[n] == 0xa5, "quantize_u8 of a short row", tk->name,
+              n, inv);
+      }
+    }
+    printf("quantize_u8: %s %d checks (%d values, lengths 0..%d, %zu scales)\n", tk->name,
+           g_checks - checks, VALUES, MAX_TAIL, sizeof scales / sizeof scales[0]);
+  }
+}
+
+int main(void) {
+  check_quantize_u8();
+  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
+  return g_failures ? 1 : 0;
+}
