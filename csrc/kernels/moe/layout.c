@@ -31,6 +31,7 @@ static cm_layout plan(const cpumoe_moe_problem *p, const cm_gemm_config *gemm, i
    * past the last panel; scales one float per row */
   const int quantized = packer->quantized || (decode_packer && decode_packer->quantized);
   const int64_t slack = CM_PANEL_SLACK_ROWS;
+  const size_t pad = (size_t)CM_MR_MAX * CM_PANEL_ROW_PAD; /* row-major panels' row pads */
   size_t at = 0;
   l.offsets = at, at = align64(at + sizeof(int64_t) * (size_t)(p->E + 1));
   l.sorted = at, at = align64(at + sizeof(int32_t) * (size_t)l.slots);
@@ -42,11 +43,11 @@ static cm_layout plan(const cpumoe_moe_problem *p, const cm_gemm_config *gemm, i
   const int64_t N = gemms == 2 ? p->N : 0; /* no intermediate without the second GEMM */
   const int64_t y_cols = gemms == 2 ? p->K : 0;
   l.midq = at, at = align64(at + (quantized ? (size_t)(l.slots * N) : 0));
-  l.a1 = at, at = align64(at + sizeof(float) * (size_t)((l.slots + slack) * p->K));
+  l.a1 = at, at = align64(at + sizeof(float) * (size_t)((l.slots + slack) * p->K) + pad);
   l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.qs1 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[0]));
   l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * N));
-  l.a2 = at, at = align64(at + (N ? sizeof(float) * (size_t)((l.slots + slack) * N) : 0));
+  l.a2 = at, at = align64(at + (N ? sizeof(float) * (size_t)((l.slots + slack) * N) + pad : 0));
   l.as2 = at, at = align64(at + (N ? sizeof(float) * (size_t)l.slots : 0));
   l.qs2 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[1]));
   l.y = at, at = align64(at + sizeof(float) * (size_t)(l.slots * y_cols));

@@ -13,11 +13,11 @@
  *   BF16_PAIRS           uint32 [red/2][rows]: elements k (high half) and k + 1 (low half)
  *                        of a row per dword, so that vdpbf16ps, which adds the high pair's
  *                        product first, sums in k order.
- *   BF16_ROWS            bf16 [rows][red], U8_ROWS u8 [rows][red] (quantized as U8_QUADS):
- *                        rows one after another, the A operand of tile loads.
- * The 16-bit formats hold the activations' own values: x rows are bf16 already and mid rows
- * were rounded to bf16 (gemm1), so narrowing them is exact. Their stage-2 panels are written
- * by gemm1 itself, 32 values at a time (store_mid), not from the fp32 intermediate.
+ *   BF16_ROWS            bf16 [rows][red + 32], U8_ROWS u8 [rows][red + 64] (quantized as
+ * U8_QUADS): rows one after another, the A operand of tile loads. The 16-bit formats hold the
+ * activations' own values: x rows are bf16 already and mid rows were rounded to bf16 (gemm1), so
+ * narrowing them is exact. Their stage-2 panels are written by gemm1 itself, 32 values at a time
+ * (store_mid), not from the fp32 intermediate.
  */
 #include <string.h>
 
@@ -127,7 +127,8 @@ static void store_bf16_pairs(const cm_run *r, const cm_panel *pn, size_t i, int6
 
 static void store_bf16_rows(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0,
                             const float *mid) {
-  uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) + i * (size_t)cm_stage_reduction(r, 2);
+  uint16_t *row = (uint16_t *)cm_panel_base(r, pn, 2) +
+                  i * cm_panel_row_stride((size_t)cm_stage_reduction(r, 2), 2);
   CM_ALIGNED uint16_t v[CM_NR];
   r->narrow(CM_NR, mid, v);
   r->put_mid(sizeof v, v, row + col0);
@@ -137,8 +138,9 @@ static void pack_bf16_rows(const cm_run *r, const cm_panel *pn, int stage) {
   if (stage == 2) return; /* stored by store_bf16_rows */
   const int64_t red = cm_stage_reduction(r, stage);
   uint16_t *panel = (uint16_t *)cm_panel_base(r, pn, stage);
+  const size_t stride = cm_panel_row_stride((size_t)red, 2);
   for (size_t i = 0; i < (size_t)pn->rows; i++) {
-    uint16_t *dst = panel + i * (size_t)red;
+    uint16_t *dst = panel + i * stride;
     const uint16_t *src = row_chunk16(r, pn, stage, i, 0, (size_t)red, dst);
     if (src != dst) memcpy(dst, src, (size_t)red * 2);
   }
@@ -172,7 +174,8 @@ static void pack_u8_rows(const cm_run *r, const cm_panel *pn, int stage) {
   uint8_t *panel = (uint8_t *)cm_panel_base(r, pn, stage);
   const uint8_t *src[CM_MR_MAX];
   u8_rows(r, pn, stage, src);
-  for (size_t i = 0; i < (size_t)pn->rows; i++) memcpy(panel + i * red, src[i], red);
+  const size_t stride = cm_panel_row_stride(red, 1);
+  for (size_t i = 0; i < (size_t)pn->rows; i++) memcpy(panel + i * stride, src[i], red);
 }
 
 static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {
