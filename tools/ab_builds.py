@@ -47,23 +47,9 @@ def _linear_case(scheme: str, m: int, shape_name: str, seed: int):
     return lambda i: w.op(x, *w.args[i % len(w.args)]), len(w.args)
 
 
-def _worker(scheme: str, m: int, shape_name: str, seed: int, linear: str) -> int:
-    """Builds the case and answers each line `n` on stdin with the median ms of n calls."""
-    if linear:
-        call, copies = _linear_case(scheme, m, linear, seed)
-        for i in range(3):
-            call(i)
-        print(f"ready {copies}", flush=True)
-        i = 0
-        for line in sys.stdin:
-            times = []
-            for _ in range(int(line)):
-                t = time.perf_counter()
-                call(i)
-                times.append(time.perf_counter() - t)
-                i += 1
-            print(statistics.median(times) * 1e3, flush=True)
-        return 0
+def _moe_case(scheme: str, m: int, shape_name: str, seed: int):
+    """The fused MoE's call (call index -> output) as the bench builds it: its weight copies
+    ('layers') and the case's 64 routings, taken in turn."""
     from cpumoe.bench.schemes import ExpertWeights
     from cpumoe.bench.shapes import DTYPES, make_routings, parse_shapes
     from cpumoe.bench.timing import _case_inputs, _layered_call
@@ -76,16 +62,26 @@ def _worker(scheme: str, m: int, shape_name: str, seed: int, linear: str) -> int
     call, layers = _layered_call(weights, x, None)
     for r in warm:
         call(r)
-    print(f"ready {layers}", flush=True)
+    return lambda i: call(routings[i % len(routings)]), layers
+
+
+def _worker(scheme: str, m: int, shape_name: str, seed: int, linear: str) -> int:
+    """Builds the case and answers each line `n` on stdin with the median ms of n calls."""
+    if linear:
+        call, copies = _linear_case(scheme, m, linear, seed)
+        for i in range(3):
+            call(i)
+    else:
+        call, copies = _moe_case(scheme, m, shape_name, seed)
+    print(f"ready {copies}", flush=True)
     i = 0
     for line in sys.stdin:
         times = []
         for _ in range(int(line)):
-            r = routings[i % len(routings)]
-            i += 1
             t = time.perf_counter()
-            call(r)
+            call(i)
             times.append(time.perf_counter() - t)
+            i += 1
         print(statistics.median(times) * 1e3, flush=True)
     return 0
 

@@ -1,7 +1,8 @@
 /*
  * What the single-kernel test programs of tests/c/kernels/ share: the precondition hook of a
  * build that does not link common/error.c, a seeded splitmix64 generator and a checked
- * malloc. Define KERNEL_TEST_SEED (the generator's start) before including it.
+ * malloc, and which tiers can run. Define KERNEL_TEST_SEED (the generator's start) before
+ * including it.
  */
 #ifndef CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
 #define CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
@@ -9,6 +10,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include "cpumoe/cpumoe.h" /* cpumoe_isa_native */
 
 #ifndef KERNEL_TEST_SEED
 #error "define KERNEL_TEST_SEED before including kernel_test.h"
@@ -38,6 +41,17 @@ static void *xmalloc(size_t bytes) {
     exit(2);
   }
   return p;
+}
+
+/* Whether a tier's kernels can run here: natively, the tiers the CPU has; in the emulated
+ * build, every tier. */
+static inline int tier_runs(cpumoe_isa isa) {
+#ifdef CPUMOE_EMULATE_TIERS
+  (void)isa;
+  return 1;
+#else
+  return cpumoe_isa_native(isa);
+#endif
 }
 
 #endif /* CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H */

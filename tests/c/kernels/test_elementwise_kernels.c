@@ -44,15 +44,6 @@ static const tier_kernels g_tiers[] = {
     {"avx512", CPUMOE_ISA_AVX512, cm_quantize_u8__avx512},
 };
 
-static int runs(cpumoe_isa isa) {
-#ifdef CPUMOE_EMULATE_TIERS
-  (void)isa;
-  return 1;
-#else
-  return cpumoe_isa_native(isa);
-#endif
-}
-
 /* The contract, in double where it can be: the product rounded to float as the kernel
  * rounds it, then half-to-even rounding by hand (no dependence on the rounding mode). */
 static uint8_t quantize_spec(float x, float inv_scale) {
@@ -108,7 +99,7 @@ static void check_quantize_u8(void) {
   const float scales[] = {1.0f, 0.37f, 127.0f / 3.5f, 0.0f, INFINITY, NAN};
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
-    if (!runs(tk->isa)) {
+    if (!tier_runs(tk->isa)) {
       printf("quantize_u8: %s skipped, this CPU lacks the tier\n", tk->name);
       continue;
     }

@@ -145,15 +145,6 @@ static const tier_kernels g_tiers[] = {
      cm_bf16_gemm_f32acc_mrx32__avx512},
 };
 
-static int runs(cpumoe_isa isa) {
-#ifdef CPUMOE_EMULATE_TIERS
-  (void)isa;
-  return 1;
-#else
-  return cpumoe_isa_native(isa);
-#endif
-}
-
 /* ---- decoding -------------------------------------------------------------------------------- */
 
 /* Every code at every row and k parity, with every scale: group g has scale g at every row;
@@ -170,7 +161,7 @@ static void check_decoders(void) {
   block random[3] = {make_block(512, 0), make_block(512, 1), make_block(512, 2)};
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
-    if (!runs(tk->isa)) {
+    if (!tier_runs(tk->isa)) {
       printf("mxfp4 decode: %s skipped, this CPU lacks the tier\n", tk->name);
       continue;
     }
@@ -220,7 +211,7 @@ static void check_f32_gemms(void) {
   static const size_t ks[] = {32, 64, 288, 1024};
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
-    if (!runs(tk->isa)) continue;
+    if (!tier_runs(tk->isa)) continue;
     const int checks = g_checks;
     for (int kind = 0; kind < SCALE_KINDS; kind++)
       for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
@@ -263,7 +254,7 @@ static void check_f32_gemms(void) {
 /* avx512bf16: the vdpbf16ps kernel against chains of the lane model, A in bf16 pairs with k
  * even high; the any-scale blocks give denormal weights (flushed) and infinities */
 static void check_pairs_gemm(void) {
-  if (!runs(CPUMOE_ISA_AVX512BF16)) {
+  if (!tier_runs(CPUMOE_ISA_AVX512BF16)) {
     printf("mxfp4 gemm: avx512bf16 skipped, this CPU lacks the tier\n");
     return;
   }
@@ -320,7 +311,7 @@ static void check_pairs_gemm(void) {
 /* amx: the group-by-group tile kernel equals the chunk route (avx512's decoder, then the bf16
  * tile kernel), on BF16_ROWS panels with whole-tile slack */
 static void check_amx_gemm(void) {
-  if (!runs(CPUMOE_ISA_AMX)) {
+  if (!tier_runs(CPUMOE_ISA_AMX)) {
     printf("mxfp4 gemm: amx skipped, this CPU lacks the tier\n");
     return;
   }
