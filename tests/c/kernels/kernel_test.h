@@ -27,14 +27,14 @@ __attribute__((weak)) void cm_precondition_failed(const char *condition, const c
 #endif
 
 static uint64_t g_rng = KERNEL_TEST_SEED;
-static uint64_t rnd(void) { /* splitmix64 */
+static inline uint64_t rnd(void) { /* splitmix64 */
   uint64_t z = (g_rng += 0x9e3779b97f4a7c15u);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
   return z ^ (z >> 31);
 }
 
-static void *xmalloc(size_t bytes) {
+static inline void *xmalloc(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
   if (!p) {
     fprintf(stderr, "out of memory\n");
