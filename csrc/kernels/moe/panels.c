@@ -13,11 +13,13 @@
  *   BF16_PAIRS           uint32 [red/2][rows]: elements k (high half) and k + 1 (low half)
  *                        of a row per dword, so that vdpbf16ps, which adds the high pair's
  *                        product first, sums in k order.
- *   BF16_ROWS            bf16 [rows][red + 32], U8_ROWS u8 [rows][red + 64] (quantized as
- * U8_QUADS): rows one after another, the A operand of tile loads. The 16-bit formats hold the
- * activations' own values: x rows are bf16 already and mid rows were rounded to bf16 (gemm1), so
- * narrowing them is exact. Their stage-2 panels are written by gemm1 itself, 32 values at a time
- * (store_mid), not from the fp32 intermediate.
+ *   BF16_ROWS            bf16 [rows][red + 32], U8_ROWS u8 [rows][red + 64] (quantized
+ *                        as U8_QUADS): rows one after another, CM_PANEL_ROW_PAD bytes
+ *                        longer than the reduction, the A operand of tile loads.
+ *
+ * The 16-bit formats hold the activations' own values: x rows are bf16 already and mid rows
+ * were rounded to bf16 (gemm1), so narrowing them is exact. Their stage-2 panels are written
+ * by gemm1 itself, 32 values at a time (store_mid), not from the fp32 intermediate.
  */
 #include <string.h>
 

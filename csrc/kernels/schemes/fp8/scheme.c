@@ -38,8 +38,10 @@ static int64_t scale_bytes_fp8(const cpumoe_moe_problem *p, int stage) {
  * (common/ukernels.h). A block of few rows decodes in registers, one call per K block
  * (decode: weights are read once); a block with more converts each chunk of a K block
  * once into an L1-resident buffer (fp32 or bf16, the config's gemm_chunk kernel's B), runs
- * all its panels on it into per-panel block sums, and folds those at the K block's end.
- * Within a numerics class both give the same bits. */
+ * all its panels on it into per-panel block sums, and folds those at the K block's end (a
+ * K block of one chunk: each panel's right after its tile calls). C holds the result times
+ * 2^-8 (the decoded weights' scaling) until the last fold, or the decode path's pass after
+ * it, takes it out. Within a numerics class both give the same bits. */
 static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                            float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -56,8 +58,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
   const int convert = !r->panels[blk->first_panel].decode;
   float col_scale[CM_NR];
   CM_ALIGNED float decoded[CM_FP8_KC * CM_NR]; /* room for fp32 values */
-  CM_ALIGNED float
-      sums[CM_PANELS_PER_BLOCK_MAX * CM_MR_MAX * CM_NR]; /* per panel, the K block's P */
+  /* per panel, the K block's P (one panel's room used when the K block is one chunk) */
+  CM_ALIGNED float sums[CM_PANELS_PER_BLOCK_MAX * CM_MR_MAX * CM_NR];
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   /* stepped from column to column, not divided per column */
   int64_t n_block = row0 / p->block_n, next_block_row = (n_block + 1) * p->block_n;
