@@ -144,7 +144,7 @@ static void pack_bf16_rows(const cm_run *r, const cm_panel *pn, int stage) {
   for (size_t i = 0; i < (size_t)pn->rows; i++) {
     uint16_t *dst = panel + i * stride;
     const uint16_t *src = row_chunk16(r, pn, stage, i, 0, (size_t)red, dst);
-    if (src != dst) memcpy(dst, src, (size_t)red * 2);
+    if (src != dst) r->put_a((size_t)red * 2, src, dst);
   }
 }
 
@@ -177,7 +177,14 @@ static void pack_u8_rows(const cm_run *r, const cm_panel *pn, int stage) {
   const uint8_t *src[CM_MR_MAX];
   u8_rows(r, pn, stage, src);
   const size_t stride = cm_panel_row_stride(red, 1);
-  for (size_t i = 0; i < (size_t)pn->rows; i++) memcpy(panel + i * stride, src[i], red);
+  /* stage 1: x rows, streamed like the 16-bit ones; stage 2's mid rows stay plain */
+  const cm_copy_fn put = stage == 1 ? r->put_a : NULL;
+  for (size_t i = 0; i < (size_t)pn->rows; i++) {
+    if (put)
+      put(red, src[i], panel + i * stride);
+    else
+      memcpy(panel + i * stride, src[i], red);
+  }
 }
 
 static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {

@@ -176,6 +176,9 @@ struct cm_run {
    * rows): plain or streaming stores, per chunk (moe/stages.c, CM_CACHED_RESULT_BYTES) */
   cm_bias_scale_fn store_y;
   cm_copy_fn put_mid;
+  /* copies the x rows into the row-major stage-1 panels (pack1): plain or streaming stores,
+   * per chunk, by the panels' 16-bit size (moe/stages.c, moe/linear.c) */
+  cm_copy_fn put_a;
 };
 
 /* Workspace regions for one chunk; all sizes derive from the problem and its config. */

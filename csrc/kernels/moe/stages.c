@@ -202,6 +202,7 @@ cm_run cm_run_gemm1(const cpumoe_moe_problem *p, const cm_tier_config *tier,
       .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
       .put_mid = copy_cached,
+      .put_a = copy_cached,
       .mr = gemm->mr,
       .panels_per_block = CM_PANELS_PER_BLOCK,
       .n_tiles1 = p->N / CM_NR,
@@ -250,6 +251,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
     const int cached_mid = slots * (size_t)p->N * sizeof(float) <= CM_CACHED_RESULT_BYTES;
     r.store_y = cached_y ? ew->bias_scale : ew->bias_scale_stream;
     r.put_mid = cached_mid ? copy_cached : ew->copy_stream;
+    r.put_a = slots * (size_t)p->K * 2 <= CM_CACHED_RESULT_BYTES ? copy_cached : ew->copy_stream;
     cm_route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                    (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
                    (cm_block *)(ws + l.blocks));
