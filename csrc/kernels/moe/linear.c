@@ -221,12 +221,10 @@ cpumoe_status cpumoe_linear(const cpumoe_linear_problem *p, void *workspace, siz
   cm_run *r = &lr.run;
   r->panels_per_block = panels_per_block;
   r->n_tiles1 = p->N / CM_NR; /* the linear's output tiles (as_mlp's N is K) */
-  const cm_copy_fn put_a_cached = r->put_a;
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
     r->m0 = m0;
     r->mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
-    r->put_a = (size_t)r->mc * (size_t)p->K * 2 <= CM_CACHED_RESULT_BYTES ? put_a_cached
-                                                                          : r->ew->copy_stream;
+    r->put_a = cm_result_copy(r->ew, (size_t)r->mc * (size_t)p->K * 2);
     cm_route_chunk(r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                    (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
                    (cm_block *)(ws + l.blocks));

@@ -178,13 +178,8 @@ static void pack_u8_rows(const cm_run *r, const cm_panel *pn, int stage) {
   u8_rows(r, pn, stage, src);
   const size_t stride = cm_panel_row_stride(red, 1);
   /* stage 1: x rows, streamed like the 16-bit ones; stage 2's mid rows stay plain */
-  const cm_copy_fn put = stage == 1 ? r->put_a : NULL;
-  for (size_t i = 0; i < (size_t)pn->rows; i++) {
-    if (put)
-      put(red, src[i], panel + i * stride);
-    else
-      memcpy(panel + i * stride, src[i], red);
-  }
+  const cm_copy_fn put = stage == 1 ? r->put_a : cm_copy_cached;
+  for (size_t i = 0; i < (size_t)pn->rows; i++) put(red, src[i], panel + i * stride);
 }
 
 static void pack_u8_quads(const cm_run *r, const cm_panel *pn, int stage) {

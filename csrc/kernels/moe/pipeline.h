@@ -61,6 +61,15 @@
  * M = 512 (2-4 % faster with every scheme) and for the linear's output at M = 512
  * (docs/PERFORMANCE-HISTORY.md). */
 #define CM_CACHED_RESULT_BYTES (256u << 10)
+
+/* memcpy as a cm_copy_fn (moe/stages.c): the plain stores of a result that stays in cache */
+void cm_copy_cached(size_t bytes, const void *src, void *dst);
+
+/* How a result of `bytes` bytes is written: plain stores up to CM_CACHED_RESULT_BYTES,
+ * streaming stores above. */
+static inline cm_copy_fn cm_result_copy(const cm_elementwise_kernels *ew, size_t bytes) {
+  return bytes <= CM_CACHED_RESULT_BYTES ? cm_copy_cached : ew->copy_stream;
+}
 /* Stack tiles the micro-kernels read and write with 64-byte vectors start on a cache line,
  * so that no such access splits across two lines. */
 #define CM_ALIGNED _Alignas(64)

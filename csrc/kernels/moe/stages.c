@@ -56,7 +56,7 @@ static void apply_activation(const cm_elementwise_kernels *ew, cpumoe_activation
   }
 }
 
-static void copy_cached(size_t bytes, const void *src, void *dst) {
+void cm_copy_cached(size_t bytes, const void *src, void *dst) {
   memcpy(dst, src, bytes);
 }
 
@@ -201,8 +201,8 @@ cm_run cm_run_gemm1(const cpumoe_moe_problem *p, const cm_tier_config *tier,
       .widen = bf16 ? ew->widen_bf16 : ew->widen_f16,
       .narrow = bf16 ? ew->narrow_bf16 : ew->narrow_f16,
       .round16 = bf16 ? ew->round_bf16 : ew->round_f16,
-      .put_mid = copy_cached,
-      .put_a = copy_cached,
+      .put_mid = cm_copy_cached,
+      .put_a = cm_copy_cached,
       .mr = gemm->mr,
       .panels_per_block = CM_PANELS_PER_BLOCK,
       .n_tiles1 = p->N / CM_NR,
@@ -248,10 +248,9 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
     r.mc = p->M - m0 < CM_CHUNK_TOKENS ? p->M - m0 : CM_CHUNK_TOKENS;
     const size_t slots = (size_t)(r.mc * p->topk);
     const int cached_y = slots * (size_t)p->K * sizeof(float) <= CM_CACHED_RESULT_BYTES;
-    const int cached_mid = slots * (size_t)p->N * sizeof(float) <= CM_CACHED_RESULT_BYTES;
     r.store_y = cached_y ? ew->bias_scale : ew->bias_scale_stream;
-    r.put_mid = cached_mid ? copy_cached : ew->copy_stream;
-    r.put_a = slots * (size_t)p->K * 2 <= CM_CACHED_RESULT_BYTES ? copy_cached : ew->copy_stream;
+    r.put_mid = cm_result_copy(ew, slots * (size_t)p->N * sizeof(float));
+    r.put_a = cm_result_copy(ew, slots * (size_t)p->K * 2);
     cm_route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                    (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
                    (cm_block *)(ws + l.blocks));
