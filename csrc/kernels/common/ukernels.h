@@ -102,7 +102,8 @@ static inline __attribute__((always_inline)) void cm_prefetch_finish(cm_prefetch
  *                                                        B s8 VNNI-4 [kc/4][32][4]
  * `accumulate` = 0 starts from zero. Integer sums are exact, so a reduction may be split
  * into chunks (the pipeline does, to reuse each weight chunk across panels in cache).
- * `prefetch`: see cm_prefetch. */
+ * `prefetch`: see cm_prefetch. acc has room for CM_MR_MAX rows: a kernel may write rows
+ * past mr (the tile kernel stores whole 16-row tiles). */
 typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, size_t a_stride,
                                 const int8_t *b, int32_t *acc, int accumulate,
                                 cm_prefetch prefetch);
@@ -124,7 +125,8 @@ typedef void (*cm_gemm_fp8_fn)(size_t mr, size_t kc, const void *a_panel, size_t
                                const uint8_t *b, const float *scale, float *c, int accumulate);
 /* FP8 prefill path: dst = d of a chunk (a chunk never spans two K blocks), decoded once into
  * the format of the config's gemm_chunk kernel (fp32 [kc][32], or bf16 VNNI-2 [kc/2][32][2]),
- * then P[mr][32] (+)= A_panel x that chunk (cm_gemm_fn) over the block's chunks ... */
+ * then P[mr][32] (+)= A_panel x that chunk (cm_gemm_fn) over the block's chunks, P with
+ * room for CM_MR_MAX rows (a kernel may write rows past mr, as cm_gemm_u8s8_fn's acc) ... */
 typedef void (*cm_fp8_decode_fn)(size_t kc, const uint8_t *b, void *dst);
 /* ... and at the block's end C[r][n] = fmaf(P[r][n], scale[n], accumulate ? C : +0) * post,
  * two roundings (post = 1: the fmaf alone); the last block passes post = 2^8, which takes C
@@ -454,6 +456,8 @@ void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t,
 /* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c) */
 void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
                                   cm_prefetch);
+void cm_bf16_gemm_tiles_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
+                                   cm_prefetch);
 void cm_u8s8_gemm_rows_mrx32__amx(size_t, size_t, const uint8_t *, size_t, const int8_t *,
                                   int32_t *, int, cm_prefetch);
 void cm_mxfp4_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const uint8_t *,

@@ -265,7 +265,7 @@ static void cm_config_init__amx(cm_tier_config *c) {
   fp8_config->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
   cm_fp8_kernels *fp8 = &fp8_config->kernels.fp8;
   fp8->decode_chunk = cm_fp8_to_bf16__avx512bf16;
-  fp8->gemm_chunk = cm_bf16_gemm_rows_mrx32__amx;
+  fp8->gemm_chunk = cm_bf16_gemm_tiles_mrx32__amx; /* P: whole tiles (cm_fp8_kernels) */
   /* MXFP4 with bf16 activations: tdpbf16ps for every block, so a token's bits do not depend
    * on its batch; a block of one panel decodes group by group into tile buffers (the vector
    * kernels, with one fp32 chain per column, are bound by that chain's latency at decode),

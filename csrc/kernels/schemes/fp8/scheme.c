@@ -58,7 +58,8 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
   const int convert = !r->panels[blk->first_panel].decode;
   float col_scale[CM_NR];
   CM_ALIGNED float decoded[CM_FP8_KC * CM_NR]; /* room for fp32 values */
-  /* per panel, the K block's P (one panel's room used when the K block is one chunk) */
+  /* per panel, the K block's P in a slot of CM_MR_MAX rows (the gemm_chunk contract); the
+   * first slot alone when the K block is one chunk */
   CM_ALIGNED float sums[CM_PANELS_PER_BLOCK_MAX * CM_MR_MAX * CM_NR];
   const float *scale_row[CM_NR]; /* each column's row of block scales, found once */
   /* stepped from column to column, not divided per column */
@@ -67,10 +68,18 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
     if (row0 + j == next_block_row) n_block++, next_block_row += p->block_n;
     scale_row[j] = scales + n_block * k_blocks;
   }
+  /* all 32 columns in one scale block (block_n = 128 in the checkpoints): one load per K
+   * block instead of 32 */
+  const int one_scale = scale_row[0] == scale_row[CM_NR - 1];
   for (int64_t kb = 0; kb < k_blocks; kb++) {
     const int64_t k_begin = kb * p->block_k;
     const int64_t k_end = k_begin + p->block_k < red ? k_begin + p->block_k : red;
-    for (int j = 0; j < CM_NR; j++) col_scale[j] = scale_row[j][kb];
+    if (one_scale) {
+      const float s = scale_row[0][kb];
+      for (int j = 0; j < CM_NR; j++) col_scale[j] = s;
+    } else {
+      for (int j = 0; j < CM_NR; j++) col_scale[j] = scale_row[j][kb];
+    }
     if (!convert) {
       float *cq = c;
       for (int32_t q = 0; q < blk->panels; q++) {
@@ -105,7 +114,7 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
         if (one_chunk)
           k->fold(rows, sq, col_scale, cq, kb > 0, post);
         else
-          sq += rows * CM_NR;
+          sq += CM_MR_MAX * CM_NR;
         cq += rows * CM_NR;
       }
     }
@@ -114,7 +123,7 @@ static void gemm_block_fp8(const cm_run *r, const cm_block *blk, int stage, int6
     for (int32_t q = 0; q < blk->panels; q++) {
       const size_t rows = (size_t)r->panels[blk->first_panel + q].rows;
       k->fold(rows, sq, col_scale, cq, kb > 0, post);
-      cq += rows * CM_NR, sq += rows * CM_NR;
+      cq += rows * CM_NR, sq += CM_MR_MAX * CM_NR;
     }
   }
   if (convert) return;

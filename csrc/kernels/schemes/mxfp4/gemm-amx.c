@@ -40,14 +40,6 @@
 /* Panels of up to this many rows go through a compact A tile (below) */
 #define CM_MXFP4_AMX_COMPACT_ROWS 4
 
-/* The compact A tiles (below), one pair per thread. Rows past a call's mr keep zeros or an
- * earlier call's rows: they only make C rows that are never stored, like the slack rows of
- * a panel. Zeroing them on every call was measured to cost more than it looks: the tile
- * loads wait for those 2 KiB of stores to reach L1 (docs/PERFORMANCE-HISTORY.md, "MXFP4
- * decode on the AMX tier"). */
-static _Thread_local _Alignas(64) uint8_t
-    cm_mxfp4_compact_a[2][CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
-
 void cm_mxfp4_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_stride,
                                    const uint8_t *b, const uint8_t *scales, float *c,
                                    int accumulate) {
@@ -67,7 +59,12 @@ void cm_mxfp4_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
    * like B, for the same reason), instead of a tile load of 16 rows a reduction apart,
    * mostly slack (64 KiB of lines over the reduction at K = 2048, more than L1 holds) */
   const int compact = mr <= CM_MXFP4_AMX_COMPACT_ROWS;
-  uint8_t (*a_tiles)[CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES] = cm_mxfp4_compact_a;
+  /* Rows past mr hold whatever the stack held: they only make C rows that are never stored,
+   * like the slack rows of a panel. Zeroing them on every call costs more than it looks: the
+   * tile loads wait for those 2 KiB of stores to reach L1 (docs/PERFORMANCE-HISTORY.md,
+   * "MXFP4 decode on the AMX tier"). On the stack, not in thread-local storage: a shared
+   * library reaches that through a __tls_get_addr call on every kernel call. */
+  _Alignas(64) uint8_t a_tiles[2][CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
   for (size_t g = 0; g <= groups; g++) {
     /* the next group first: its buffers' stores then come before this group's tile products
      * in program order and can retire without waiting for them */
