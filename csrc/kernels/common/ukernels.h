@@ -167,9 +167,12 @@ typedef void (*cm_gemm_int4_fn)(size_t mr, const cm_int4_tile *w, size_t kb0, si
  * decoded once and reused by every panel through gemm_u8s8, then per block ... */
 typedef void (*cm_int4_unpack_fn)(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst);
 /* ... C[r][n] = fmaf((float)(acc[r][n] - 128 comp[n]), scale[n], accumulate ? C[r][n] : +0),
- * comp = the int32[32] after the block's nibbles: the same operations as cm_gemm_int4_fn. */
+ * comp = the int32[32] after the block's nibbles: the same operations as cm_gemm_int4_fn.
+ * The 32 columns of dst, acc and C (until `last`) may be in an order of the tier's own, the
+ * same for its unpack and dequant; the call with `last` (the reduction's final block) leaves
+ * C in column order. */
 typedef void (*cm_int4_dequant_fn)(size_t mr, const int32_t *acc, const uint8_t *comp,
-                                   const float *scale, float *c, int accumulate);
+                                   const float *scale, float *c, int accumulate, int last);
 
 /* MXFP4: e2m1 codes of a 32-row block, 32 bytes per k pair (layout: common/mxfp4.h), with
  * the block's e8m0 scales [groups][32]; each weight decodes exactly to bf16 (the value times
@@ -399,7 +402,7 @@ const cm_tier_config *cm_active_config(void);
 #define CM_DECLARE_INT4(tier)                                                                 \
   void cm_int4_unpack__##tier(const cm_int4_tile *, size_t, size_t, int8_t *);                \
   void cm_int4_dequant_mrx32__##tier(size_t, const int32_t *, const uint8_t *, const float *, \
-                                     float *, int);
+                                     float *, int, int);
 #define CM_DECLARE_INT4_DECODE(tier)                                                   \
   void cm_int4_gemm_f32acc_mrx32__##tier(size_t, const cm_int4_tile *, size_t, size_t, \
                                          const uint8_t *, size_t, const int32_t *, float *, int);

@@ -101,7 +101,9 @@ void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *
 }
 
 void cm_int4_dequant_mrx32__avx2(size_t mr, const int32_t *restrict acc, const uint8_t *comp,
-                                 const float *restrict scale, float *restrict c, int accumulate) {
+                                 const float *restrict scale, float *restrict c, int accumulate,
+                                 int last) {
+  (void)last; /* columns in order throughout */
   __m256i comp128[4];
   __m256 s[4];
   for (int i = 0; i < 4; i++) {

@@ -9,6 +9,11 @@
  *            they are: the accumulators just carry the columns in that lane order ("lo" =
  *            0-7|16-23, "hi" = 8-15|24-31), and the C tile is permuted to and from natural
  *            order once per call (vshuff32x4).
+ *   Prefill: the unpack stores each k-quad's lo and hi vectors as they are, so the B tile's
+ *            columns, acc's and C's are in lane order (16 "columns" lo, then 16 hi) until the
+ *            dequant of the reduction's last block puts C in column order. That saves the
+ *            unpack two lane shuffles per k-quad; the dequant shuffles comp and the scales
+ *            once per call instead, and each C row once per reduction.
  *   Exactness: every block sum is the exact integer sum q (w - zero), |q| <= 128 and
  *            |w - zero| <= 16, so at most 128*128*16 for bk <= 128: its fp32 conversion is
  *            exact (< 2^24) and both paths give the same bits.
@@ -178,26 +183,39 @@ void cm_int4_unpack__avx512(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
       /* into L2 by the pipeline's GEMM calls (schemes/int4/scheme.c), into L1 here */
       cm_prefetch_ahead(block + kq * 64, CM_INT4_UNPACK_PREFETCH_BYTES, 0, 1);
       expand_quad(block + kq * 64, zlo, zhi, &wlo, &whi);
-      _mm512_storeu_si512(out + kq * 128, _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_LOW_HALVES));
-      _mm512_storeu_si512(out + kq * 128 + 64,
-                          _mm512_shuffle_i64x2(wlo, whi, CM_SELECT_HIGH_HALVES));
+      _mm512_storeu_si512(out + kq * 128, wlo); /* lane order: see the header */
+      _mm512_storeu_si512(out + kq * 128 + 64, whi);
     }
   }
 }
 
+/* acc and C in lane order (lo in elements 0-15, hi in 16-31), C in column order after the
+ * last block */
 void cm_int4_dequant_mrx32__avx512(size_t mr, const int32_t *restrict acc, const uint8_t *comp,
-                                   const float *restrict scale, float *restrict c, int accumulate) {
-  const __m512i comp0 = _mm512_slli_epi32(_mm512_loadu_si512(comp), 7);
-  const __m512i comp1 = _mm512_slli_epi32(_mm512_loadu_si512(comp + 64), 7);
+                                   const float *restrict scale, float *restrict c, int accumulate,
+                                   int last) {
+  const __m512i n0 = _mm512_loadu_si512(comp), n1 = _mm512_loadu_si512(comp + 64);
+  const __m512i comp_lo = _mm512_slli_epi32(_mm512_shuffle_i64x2(n0, n1, CM_SELECT_LOW_HALVES), 7);
+  const __m512i comp_hi = _mm512_slli_epi32(_mm512_shuffle_i64x2(n0, n1, CM_SELECT_HIGH_HALVES), 7);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __m512 s_lo = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_LOW_HALVES);
+  const __m512 s_hi = _mm512_shuffle_f32x4(s0, s1, CM_SELECT_HIGH_HALVES);
   for (size_t r = 0; r < mr; r++) {
-    const __m512i t0 = _mm512_loadu_si512(acc + r * CM_NR);
-    const __m512i t1 = _mm512_loadu_si512(acc + r * CM_NR + 16);
-    const __m512 p0 = accumulate ? _mm512_loadu_ps(c + r * CM_NR) : _mm512_setzero_ps();
-    const __m512 p1 = accumulate ? _mm512_loadu_ps(c + r * CM_NR + 16) : _mm512_setzero_ps();
-    _mm512_storeu_ps(c + r * CM_NR,
-                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t0, comp0)), s0, p0));
-    _mm512_storeu_ps(c + r * CM_NR + 16,
-                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t1, comp1)), s1, p1));
+    float *cr = c + r * CM_NR;
+    const __m512i t_lo = _mm512_loadu_si512(acc + r * CM_NR);
+    const __m512i t_hi = _mm512_loadu_si512(acc + r * CM_NR + 16);
+    const __m512 p_lo = accumulate ? _mm512_loadu_ps(cr) : _mm512_setzero_ps();
+    const __m512 p_hi = accumulate ? _mm512_loadu_ps(cr + 16) : _mm512_setzero_ps();
+    const __m512 v_lo =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t_lo, comp_lo)), s_lo, p_lo);
+    const __m512 v_hi =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t_hi, comp_hi)), s_hi, p_hi);
+    if (last) {
+      _mm512_storeu_ps(cr, _mm512_shuffle_f32x4(v_lo, v_hi, CM_SELECT_LOW_HALVES));
+      _mm512_storeu_ps(cr + 16, _mm512_shuffle_f32x4(v_lo, v_hi, CM_SELECT_HIGH_HALVES));
+    } else {
+      _mm512_storeu_ps(cr, v_lo);
+      _mm512_storeu_ps(cr + 16, v_hi);
+    }
   }
 }

@@ -25,7 +25,8 @@ void cm_int4_unpack__scalar(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t
 }
 
 void cm_int4_dequant_mrx32__scalar(size_t mr, const int32_t *acc, const uint8_t *comp_bytes,
-                                   const float *scale, float *c, int accumulate) {
+                                   const float *scale, float *c, int accumulate, int last) {
+  (void)last; /* columns in order throughout */
   int32_t comp[CM_NR];
   memcpy(comp, comp_bytes, sizeof comp);
   for (size_t r = 0; r < mr; r++)

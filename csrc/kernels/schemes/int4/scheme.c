@@ -102,7 +102,7 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
               rows, bk, panel, a_stride, unpacked + b * bk * CM_NR, acc, 0,
               cm_prefetch_share(next_chunk, next_bytes, q * (int32_t)nb + (int32_t)b, calls));
           k->dequant(rows, acc, w.blocks + kb * cm_int4_block_bytes(bk) + 16 * bk,
-                     w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0);
+                     w.scales + (kb / w.group_blocks) * CM_NR, cq, kb > 0, kb + 1 == k_blocks);
         }
         cq += rows * CM_NR;
       }
