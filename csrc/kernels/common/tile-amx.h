@@ -34,8 +34,9 @@
  * tiles/gemm-amx.c, whose cm_amx_end_op__amx releases it). */
 void cm_amx_configure_tiles__amx(void);
 
-/* C tiles from c (row stride 32 floats or ints) or zero; c holds mr rows, so a panel of
- * other than 16 or 32 rows goes through a full-size copy. */
+/* C tiles from c (row stride 32 floats or ints) or zero. Whole 16-row tiles are loaded and
+ * stored: a caller whose c holds only mr rows goes through a buffer of full size
+ * (tiles/gemm-amx.c). */
 #define CM_AMX_C_STRIDE (CM_NR * 4)
 
 static inline
