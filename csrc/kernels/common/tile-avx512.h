@@ -27,6 +27,18 @@ CM_INLINE __m512i cm_srli_epi16_mul__avx512(__m512i x, const int bits) {
   return _mm512_mulhi_epu16(x, _mm512_set1_epi16((short)(1u << (16 - bits))));
 }
 
+/* The 64 bytes at p, loaded once. Compilers fold a load into each instruction that reads
+ * the vector, and at decode, where the line is still on its way from DRAM, the repeated
+ * loads slow the weights' stream down (docs/PERFORMANCE-HISTORY.md). An empty asm that takes
+ * and gives back the vector keeps it in one register. */
+CM_INLINE __m512i cm_load_once__avx512(const void *p) {
+  __m512i v = _mm512_loadu_si512(p);
+#ifndef CM_PORTABLE_INTRINSICS
+  __asm__("" : "+v"(v));
+#endif
+  return v;
+}
+
 /* the 4 bytes at p (one u8 k-quad of an A panel row) in every dword lane */
 CM_INLINE __m512i cm_broadcast_dword__avx512(const uint8_t *p) {
   int32_t v;

@@ -130,18 +130,6 @@ static inline __attribute__((always_inline)) void decode_bytes(const e4m3_decode
       _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(d->hi0, raw, d->hi1), raw, d->sign, 0xf8);
 }
 
-/* The 64 bytes at p, loaded once. Compilers fold the load into each of the three instructions
- * of decode_bytes that read it, and at decode, where the line is still on its way from DRAM,
- * the repeated loads slow the weights' stream down (docs/PERFORMANCE-HISTORY.md). */
-static inline __attribute__((always_inline)) __m512i load_once(const void *p) {
-  __m512i v = _mm512_loadu_si512(p);
-#ifndef CM_PORTABLE_INTRINSICS
-  /* asm: an empty asm that takes and gives back the vector keeps it in one register */
-  __asm__("" : "+v"(v));
-#endif
-  return v;
-}
-
 /* Decode kernel. The bytes are interleaved within 128-bit lanes (vpunpck[lh]bw, one uop each
  * where a full permute takes two): lane l of the unpack-low vector holds columns 8l..8l+3,
  * of the unpack-high vector 8l+4..8l+7, each dword (k even, k odd); a rotate (port 0) makes
@@ -161,7 +149,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
      * streamer alone does. Prefetches past the tile's end are harmless hints. */
     cm_prefetch_ahead(bk, CM_FP8_PREFETCH_L1_BYTES, CM_FP8_PREFETCH_L2_BYTES, 1);
     __m512i lo, hi;
-    decode_bytes(&dec, load_once(bk), &lo, &hi);
+    decode_bytes(&dec, cm_load_once__avx512(bk), &lo, &hi);
     const __m512bh b0 =
         cm_as_bf16x32__avx512bf16(_mm512_rol_epi32(_mm512_unpacklo_epi8(lo, hi), 16));
     const __m512bh b1 =
@@ -216,7 +204,8 @@ void cm_fp8_to_bf16__avx512bf16(size_t kc, const uint8_t *b, void *out) {
   for (size_t kp = 0; kp < kc / 2; kp++) {
     __m512i lo, hi;
     cm_prefetch_ahead(b + kp * 64, CM_FP8_CHUNK_PREFETCH_BYTES, 0, 1);
-    decode_bytes(&dec, _mm512_permutexvar_epi64(columns, load_once(b + kp * 64)), &lo, &hi);
+    decode_bytes(&dec, _mm512_permutexvar_epi64(columns, cm_load_once__avx512(b + kp * 64)), &lo,
+                 &hi);
     _mm512_storeu_si512(dst + kp * 64, _mm512_unpacklo_epi8(lo, hi));
     _mm512_storeu_si512(dst + kp * 64 + 32, _mm512_unpackhi_epi8(lo, hi));
   }

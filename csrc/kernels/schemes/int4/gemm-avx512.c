@@ -84,7 +84,7 @@ static inline __attribute__((always_inline)) void zero_lanes(const int8_t *zero,
 static inline __attribute__((always_inline)) void split_quad(const uint8_t *quad, __m512i *lo,
                                                              __m512i *hi) {
   const __m512i low_nibbles = _mm512_set1_epi8(15);
-  const __m512i v = _mm512_loadu_si512(quad);
+  const __m512i v = cm_load_once__avx512(quad);
   *lo = _mm512_and_si512(v, low_nibbles);
   *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
 }

@@ -68,16 +68,6 @@ static inline __attribute__((always_inline)) void decode_spread(const mxfp4_deco
       cm_mxfp4_lookup__avx512(d->table, d->a_hi, cm_srli_epi16_mul__avx512(x, 4)));
 }
 
-/* the 64 bytes at p, loaded once (compilers fold a load into each instruction that reads it,
- * and at decode the repeated loads slow the stream down: fp8/gemm-avx512bf16.c) */
-static inline __attribute__((always_inline)) __m512i load_once(const void *p) {
-  __m512i v = _mm512_loadu_si512(p);
-#ifndef CM_PORTABLE_INTRINSICS
-  __asm__("" : "+v"(v)); /* keeps the vector in one register */
-#endif
-  return v;
-}
-
 /* one k pair into the accumulators: p0 columns 0..15, p1 16..31 */
 static inline __attribute__((always_inline)) void dot_kpair(const int mr, __m512 *p0, __m512 *p1,
                                                             __m512bh b0, __m512bh b1,
@@ -113,7 +103,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
         /* at decode the codes stream from DRAM once: more misses in flight than the L2
          * streamer alone keeps */
         cm_prefetch_ahead(bk, CM_MXFP4_PF_L1_BYTES, CM_MXFP4_PF_L2_BYTES, 1);
-        const __m512i raw = load_once(bk);
+        const __m512i raw = cm_load_once__avx512(bk);
         __m512bh b0, b1;
         decode_spread(&d, _mm512_maskz_permutexvar_epi8(CM_LOW_BYTES, d.spread0, raw), &b0, &b1);
         dot_kpair(mr, p0, p1, b0, b1, ag + kp * as);
