@@ -8,8 +8,8 @@
  *   mr <= 32. C and acc have row stride 32. C goes through a bounce buffer unless mr is 16
  *   or 32, so that rows past mr are not written; acc (cm_gemm_u8s8_fn) and the C of
  *   cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have room for CM_MR_MAX rows, and the
- *   whole tiles are stored there. Without the bounce's copies INT8 and INT4 at M = 512 took
- *   0.984x the time (Qwen3, 2 threads, paired A/B), FP8 0.94-0.96x together with its
+ *   whole tiles are stored there. The bounce's copies had 3 % of INT4 M = 512's samples
+ *   (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
  *   one-scale K blocks (schemes/fp8/scheme.c).
  *
  * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
