@@ -646,6 +646,7 @@ typedef struct moe_case {
 /* K and N of 96 or 160 are multiples of 32 but not of 64; 1100 tokens are two chunks.
  * "streamed": 600 slots of N = 160 and K = 288 fp32 values pass the 256 KiB up to which the
  * intermediate and y are stored normally (moe/stages.c), so both take the streaming stores.
+ * "block of 40": one expert's 40 rows, two panels that the amx tier takes in one call.
  * INT4 groups: 4 (the smallest), 96 (<= 128, not a power of 2), 256 (two blocks a group). */
 /* clang-format off */
 static const moe_case g_cases[] = {
@@ -659,6 +660,8 @@ static const moe_case g_cases[] = {
   {"bf16 one expert",  UNQUANT, BF16,   70,  32,  64, 3, 1, I32, F32,  0.0,  0,  0,
    BIAS | ONE_EXPERT},
   {"bf16 streamed",    UNQUANT, BF16,  300, 288, 160, 4, 2, I32, F32,  0.0,  0,  0,  BIAS},
+  {"bf16 block of 40", UNQUANT, BF16,   40,  96,  64, 2, 1, I32, F32,  0.0,  0,  0,
+   BIAS | ONE_EXPERT},
   {"bf16 dense",       UNQUANT, BF16,    5,  64,  32, 1, 1, I32, F32,  0.0,  0,  0,
    NO_IDS | NO_WEIGHTS},
   {"bf16 in place",    UNQUANT, BF16,    9,  96,  32, 3, 2, I64, F32,  0.0,  0,  0,
@@ -1442,7 +1445,8 @@ typedef struct linear_case {
 
 /* 1030 and 1100 rows are two chunks; INT4 group 4 makes blocks of 4 k; FP8 blocks that
  * divide neither dimension; the "streamed" cases have more than CM_CACHED_RESULT_BYTES of
- * output (256 KiB), which is written with streaming stores. */
+ * output (256 KiB), which is written with streaming stores; 45 rows are two panels that the
+ * amx tier takes in one call. */
 /* clang-format off */
 static const linear_case g_linear_cases[] = {
   /* name               scheme   act     M     K    N   b1  b2  bias */
@@ -1450,6 +1454,7 @@ static const linear_case g_linear_cases[] = {
   {"fp16 tails",        UNQUANT, F16,    61,  96, 160,  0,  0, 1},
   {"bf16 2 chunks",     UNQUANT, BF16, 1100,  32,  64,  0,  0, 0},
   {"bf16 streamed",     UNQUANT, BF16,  600,  64, 288,  0,  0, 1},
+  {"bf16 block of 45",  UNQUANT, BF16,   45, 128,  64,  0,  0, 1},
   {"int8 decode",       INT8,    BF16,    1,  96,  64,  0,  0, 1},
   {"int8 rows",         INT8,    F16,    50, 160,  32,  0,  0, 0},
   {"int8 streamed",     INT8,    F16,   520,  96, 256,  0,  0, 1},

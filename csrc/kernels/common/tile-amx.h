@@ -8,6 +8,11 @@
  *   0..3  C: rows 0..15 / 16..31 x columns 0..15 / 16..31
  *   4, 5  A: rows 0..15, 16..31
  *   6, 7  B: columns 0..15, 16..31
+ * A call of 33 to 48 rows (three rows of tiles) uses them otherwise, from the same
+ * configuration:
+ *   0..5  C: rows 0..15 / 16..31 / 32..47 x columns 0..15 / 16..31
+ *   6     A: the row of tiles being multiplied (each loaded twice per k step)
+ *   7     B: the column half being multiplied
  */
 #ifndef CPUMOE_COMMON_TILE_AMX_H
 #define CPUMOE_COMMON_TILE_AMX_H
@@ -29,6 +34,12 @@
 #define TA1 5
 #define TB0 6
 #define TB1 7
+
+/* tile numbers of a three-row call (above) */
+#define T3C20 4
+#define T3C21 5
+#define T3A 6
+#define T3B 7
 
 /* Loads the tile configuration on the calling thread unless it holds it already (defined in
  * tiles/gemm-amx.c, whose cm_amx_end_op__amx releases it). */
@@ -59,6 +70,26 @@ static inline
   }
 }
 
+/* The C tiles of rows 32..47 of a three-row call from c (row stride 32) or zero; rows
+ * 0..31 as cm_amx_load_c(1, ...). */
+static inline __attribute__((always_inline)) void cm_amx_load_c_third(const void *c,
+                                                                      int accumulate) {
+  if (!accumulate) {
+    _tile_zero(T3C20);
+    _tile_zero(T3C21);
+    return;
+  }
+  const char *p = (const char *)c + 32 * CM_AMX_C_STRIDE;
+  _tile_loadd(T3C20, p, CM_AMX_C_STRIDE);
+  _tile_loadd(T3C21, p + 64, CM_AMX_C_STRIDE);
+}
+
+static inline __attribute__((always_inline)) void cm_amx_store_c_third(void *c) {
+  char *p = (char *)c + 32 * CM_AMX_C_STRIDE;
+  _tile_stored(T3C20, p, CM_AMX_C_STRIDE);
+  _tile_stored(T3C21, p + 64, CM_AMX_C_STRIDE);
+}
+
 static inline __attribute__((always_inline)) void cm_amx_store_c(int two, void *c) {
   char *p = (char *)c;
   _tile_stored(TC00, p, CM_AMX_C_STRIDE);
@@ -82,6 +113,29 @@ static inline __attribute__((always_inline)) void cm_amx_store_c(int two, void *
       DP(TC10, TA1, TB0);                                               \
       DP(TC11, TA1, TB1);                                               \
     }                                                                   \
+  } while (0)
+
+/* One column half of a three-row call's k step: B's half at b, then each row of A tiles in
+ * turn into C tiles c0, c1, c2. */
+#define CM_AMX_HALF3(DP, c0, c1, c2, a, a_bytes, b, b_bytes)         \
+  do {                                                               \
+    _tile_loadd(T3B, (b), (b_bytes));                                \
+    _tile_loadd(T3A, (a), (a_bytes));                                \
+    DP(c0, T3A, T3B);                                                \
+    _tile_loadd(T3A, (const char *)(a) + 16 * (a_bytes), (a_bytes)); \
+    DP(c1, T3A, T3B);                                                \
+    _tile_loadd(T3A, (const char *)(a) + 32 * (a_bytes), (a_bytes)); \
+    DP(c2, T3A, T3B);                                                \
+  } while (0)
+
+/* One k step of a three-row call. Each A tile is loaded twice and the tile registers are
+ * reloaded between the products that read them: the blocks that take this step (33-48
+ * rows of one expert) are bound by their weight stream, not by the tile unit. */
+#define CM_AMX_STEP3(DP, a, a_bytes, b, b_bytes)                                           \
+  do {                                                                                     \
+    CM_AMX_HALF3(DP, TC00, TC10, T3C20, a, a_bytes, b, b_bytes);                           \
+    CM_AMX_HALF3(DP, TC01, TC11, T3C21, a, a_bytes, (const char *)(b) + CM_AMX_TILE_BYTES, \
+                 b_bytes);                                                                 \
   } while (0)
 
 #endif /* CPUMOE_COMMON_TILE_AMX_H */

@@ -296,6 +296,11 @@ typedef struct cm_gemm_config {
    * while it is in L1, each call prefetching its share of the next chunk. 0 or 1: every
    * block of several panels goes in chunks. */
   size_t panel_major_panels;
+  /* A block of several panels and up to this many rows, which would go panel by panel,
+   * goes through the main kernel in one call instead: the weights streamed once with C in
+   * tiles for every row (the panels of a block are one row-major matrix, moe/pipeline.h).
+   * 0: panel by panel. Not above the main kernel's rows per call. */
+  size_t block_rows_max;
   /* Panels per block of the dense linear (moe/linear.c) where that many panels' A rows fit
    * its cache budget: CM_PANELS_PER_BLOCK_MAX (8) where the scheme's block GEMM keeps up with
    * them in L1, 0 for the fused MoE's 4. */
@@ -456,7 +461,10 @@ void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
 void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
                                            const uint8_t *, float *, int);
 
-/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c) */
+/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c), of up to
+ * CM_AMX_CALL_ROWS rows a call: the panels of a block taken at once (three rows of tiles;
+ * cm_gemm_config.block_rows_max) */
+#define CM_AMX_CALL_ROWS 48
 void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
                                   cm_prefetch);
 void cm_bf16_gemm_tiles_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,

@@ -255,6 +255,7 @@ static void cm_config_init__amx(cm_tier_config *c) {
    * panel. INT8 stays in chunks: panel by panel took 31.18-31.52 against 30.29-30.68 ms at
    * M=512 (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). */
   bf16->panel_major_panels = 2;
+  bf16->block_rows_max = CM_AMX_CALL_ROWS;
   /* The dense linear's blocks of 8 panels where 8 panels' A rows fit 1 MiB (Qwen3 q projection
    * M = 512, paired A/B against blocks of 4: bf16 0.89-0.92, INT8 0.97, INT4 0.96; o
    * projection INT8 0.90, INT4 0.97). FP8 too, since a K block of one chunk folds each panel
@@ -363,6 +364,7 @@ static void build_state(cm_dispatch_state *st) {
     CM_FOR_EACH_GEMM(c, g) {
       CM_EXPECT(g->nr == CM_NR && g->mr >= 1 && g->mr <= CM_MR_MAX);
       CM_EXPECT((g->kr == 2 || g->kr == 4) && g->decode_max_rows <= g->mr);
+      CM_EXPECT(g->block_rows_max == 0 || g->block_rows_max > g->mr);
       CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT && g->decode_a_format < CM_PANEL_FORMAT_COUNT);
     }
   }

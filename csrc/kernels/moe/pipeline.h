@@ -87,6 +87,7 @@ typedef struct cm_panel {
   int64_t first;  /* position of its first slot in the sorted slot list */
   int32_t decode; /* its block takes the decode kernel (at most decode_max_rows rows): the
                    * panel is packed in decode_a_format */
+  int32_t in_run; /* index of its first row in its expert's run of slots */
 } cm_panel;
 
 typedef struct cm_block {
@@ -257,18 +258,32 @@ static inline size_t cm_panel_row_stride(size_t red, size_t elem_bytes) {
   return red + CM_PANEL_ROW_PAD / elem_bytes;
 }
 
-/* Where panel pn's A operand starts: every slot owns 4 bytes per reduction element in the
+/* The packer of panel pn's format (its block's kernel: main or decode). */
+static inline const cm_panel_packer *cm_panel_packer_of(const cm_run *r, const cm_panel *pn) {
+  return pn->decode ? r->decode_packer : r->packer;
+}
+
+/* Where panel pn's A operand starts. Every slot owns 4 bytes per reduction element in the
  * A region, whatever the format (fp32 is the widest), so that panels of the two formats of
- * one config (main and decode) never overlap. */
+ * one config (main and decode) never overlap. Row-major panels of one expert's run follow
+ * one another at the row stride from the run's first slot on, so that the panels of a block
+ * are one matrix of rows a kernel may take in one call (cm_gemm_config.block_rows_max); they
+ * end within the run's bytes (stride <= 4 red), and decode panels, interleaved, come only
+ * at a run's end (moe/route.c). */
 static inline char *cm_panel_base(const cm_run *r, const cm_panel *pn, int stage) {
-  return (char *)r->a[stage - 1] + (size_t)pn->first * (size_t)cm_stage_reduction(r, stage) * 4;
+  const cm_panel_packer *f = cm_panel_packer_of(r, pn);
+  const size_t red = (size_t)cm_stage_reduction(r, stage);
+  char *region = (char *)r->a[stage - 1];
+  if (f->k_group) return region + (size_t)pn->first * red * 4;
+  return region + (size_t)(pn->first - pn->in_run) * red * 4 +
+         (size_t)pn->in_run * cm_panel_row_stride(red, f->elem_bytes) * f->elem_bytes;
 }
 
 /* The A operand of panel pn for gemm `stage` from reduction step k0 on, and the a_stride its
  * kernels take (rows per k step for interleaved formats, elements per row for row-major). */
 static inline const void *cm_panel_operand(const cm_run *r, const cm_panel *pn, int stage,
                                            int64_t k0, size_t *a_stride) {
-  const cm_panel_packer *f = pn->decode ? r->decode_packer : r->packer;
+  const cm_panel_packer *f = cm_panel_packer_of(r, pn);
   const size_t red = (size_t)cm_stage_reduction(r, stage), rows = (size_t)pn->rows;
   const char *panel = cm_panel_base(r, pn, stage);
   *a_stride = f->k_group ? rows : cm_panel_row_stride(red, f->elem_bytes);
@@ -287,6 +302,13 @@ static inline cm_prefetch cm_prefetch_share(const void *next, size_t bytes, int3
  * panel_major_panels); a block of one panel always does. */
 static inline int cm_block_panel_major(const cm_run *r, const cm_block *blk) {
   return blk->panels == 1 || (size_t)blk->panels <= r->gemm->panel_major_panels;
+}
+
+/* Whether a block's panels go through the main kernel in one call over the whole reduction
+ * (cm_gemm_config.block_rows_max), the call streaming the weights on its own. */
+static inline int cm_block_one_call(const cm_run *r, const cm_block *blk) {
+  return blk->panels > 1 && !r->panels[blk->first_panel].decode &&
+         (size_t)cm_block_rows(r, blk) <= r->gemm->block_rows_max;
 }
 
 /* The reduction chunk a block's GEMM calls take: the whole reduction panel by panel, else

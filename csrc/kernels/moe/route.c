@@ -48,8 +48,10 @@ void cm_route_chunk(cm_run *r, int64_t *offsets, int32_t *sorted, float *weights
            (size_t)(count - first) <= r->gemm->decode_max_rows))
         blocks[n_blocks++] = (cm_block){.first_panel = (int32_t)n_panels};
       blocks[n_blocks - 1].panels++;
-      panels[n_panels++] =
-          (cm_panel){.expert = (int32_t)e, .rows = (int32_t)rows, .first = offsets[e] + first};
+      panels[n_panels++] = (cm_panel){.expert = (int32_t)e,
+                                      .rows = (int32_t)rows,
+                                      .first = offsets[e] + first,
+                                      .in_run = (int32_t)first};
     }
     for (int64_t b = expert_first_block; b < n_blocks; b++) {
       blocks[b].expert_first_block = (int32_t)expert_first_block;

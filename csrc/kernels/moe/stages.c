@@ -30,7 +30,7 @@ static void prepare_task(void *ctx, int64_t t) {
 }
 
 static void pack_panel(const cm_run *r, const cm_panel *pn, int stage) {
-  (pn->decode ? r->decode_packer : r->packer)->pack(r, pn, stage);
+  cm_panel_packer_of(r, pn)->pack(r, pn, stage);
 }
 
 static void pack1_task(void *ctx, int64_t t) {

@@ -5,12 +5,12 @@
  *          B bf16 VNNI-2 [k/2][32][2] (a packed weight tile, or FP8 decoded to bf16).
  *   u8s8:  acc[mr][32] (+)= A x B int32; A u8 [mr][a_stride] rows (U8_ROWS panels, q + 128),
  *          B s8 VNNI-4 [kc/4][32][4] (a packed INT8 tile, or INT4 unpacked).
- *   mr <= 32. C and acc have row stride 32. C goes through a bounce buffer unless mr is 16
- *   or 32, so that rows past mr are not written; acc (cm_gemm_u8s8_fn) and the C of
- *   cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have room for CM_MR_MAX rows, and the
- *   whole tiles are stored there. The bounce's copies had 3 % of INT4 M = 512's samples
- *   (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
- *   one-scale K blocks (schemes/fp8/scheme.c).
+ *   mr <= CM_AMX_CALL_ROWS (48). C and acc have row stride 32. C goes through a bounce
+ *   buffer unless mr is 16, 32 or 48, so that rows past mr are not written; acc
+ *   (cm_gemm_u8s8_fn) and the C of cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have
+ *   room for CM_MR_MAX rows, and the whole tiles are stored there up to 32 rows. The
+ *   bounce's copies had 3 % of INT4 M = 512's samples (Qwen3, 2 threads); without them FP8
+ *   M = 512 took 0.94-0.96x the time, with its one-scale K blocks (schemes/fp8/scheme.c).
  *
  * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
  * a k quad in VNNI-4) is 128 bytes, so one tile load with stride 128 takes columns 0..15
@@ -20,7 +20,19 @@
  * Tiles, one configuration for both kernels and the tier's MXFP4 kernel (common/tile-amx.h):
  * 4 C, 2 A (rows 0..15, 16..31), 2 B (columns 0..15, 16..31). 2 A + 2 B loads feed 4 dot
  * products per k step (32 k of bf16, 64 k of u8): the 2 x 2 register blocking that fits 8
- * tiles. A panel of up to 16 rows skips the second row of tiles. Tile loads read whole 16-row
+ * tiles. A panel of up to 16 rows skips the second row of tiles.
+ *
+ * 33 to 48 rows (the two panels of a block taken in one call, cm_gemm_config.block_rows_max)
+ * are three rows of tiles: 6 C, one A and one B register (common/tile-amx.h), each A tile
+ * loaded once per column half, 6 products per k step. Such a call replaces a 32-row call
+ * that streams the weights and a second one that rereads them from L2 with nothing streaming
+ * meanwhile. Its next step's copy goes before the step's tile work, not after: one thread
+ * streaming 32-column blocks of K = 2048 from DRAM with 40 rows, 285 against 302 ns per
+ * 4 KiB (32 rows: 245-257 either way, so they keep the copy after); copying it in halves
+ * between the column halves took 328. Bf16 Qwen3 M = 512: 0.957x the time of the two calls
+ * (docs/PERFORMANCE-HISTORY.md, "Two panels in one call").
+ *
+ * Tile loads read whole 16-row
  * tiles: rows past mr come from the next panel or the A region's slack (CM_PANEL_SLACK_ROWS) and
  * make C rows that are never stored. A reduction that is not a whole number of k steps ends with
  * one step on zero-padded copies of its tail.
@@ -84,7 +96,7 @@ void cm_amx_end_op__amx(void) {
 /* The last, partial k step: its `tail` bytes of each A row and its b_rows k-rows of B,
  * copied into zeroed full tiles (zero products leave the sums as they are). */
 typedef struct tail_tiles {
-  _Alignas(64) uint8_t a[2 * CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
+  _Alignas(64) uint8_t a[3 * CM_AMX_TILE_ROWS][CM_AMX_TILE_BYTES];
   _Alignas(64) uint8_t b[CM_AMX_TILE_ROWS][CM_AMX_B_ROW_BYTES];
 } tail_tiles;
 
@@ -112,36 +124,45 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
 
-#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, whole_tiles)                        \
-  do {                                                                                            \
-    const int two = mr > CM_AMX_TILE_ROWS;                                                        \
-    const size_t a_bytes = a_stride * (elem_bytes);                                               \
-    const size_t steps = k / (step_k), tail_k = k % (step_k);                                     \
-    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                             \
-    _Alignas(64) int32_t bounce[2 * CM_AMX_TILE_ROWS * CM_NR];                                    \
-    void *cc =                                                                                    \
-        whole_tiles || mr == CM_AMX_TILE_ROWS || mr == 2 * CM_AMX_TILE_ROWS ? (void *)c : bounce; \
-    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                         \
-    _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                          \
-    const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */        \
-    cm_amx_configure_tiles__amx();                                                                \
-    cm_amx_load_c(two, cc, accumulate);                                                           \
-    if (stage && steps) stage_b(staged[0], b8);                                                   \
-    for (size_t s = 0; s < steps; s++) {                                                          \
-      const uint8_t *bs = stage ? staged[s & 1] : b8 + s * CM_AMX_STEP_B_BYTES;                   \
-      if (!stage) cm_prefetch_step(&pf, pf_steps);                                                \
-      CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);          \
-      if (stage && s + 1 < steps)                                                                 \
-        stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES);                         \
-    }                                                                                             \
-    if (tail_k) {                                                                                 \
-      tail_tiles t;                                                                               \
-      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),           \
-                b8 + steps * CM_AMX_STEP_B_BYTES, tail_k / (k_per_b_row));                        \
-      CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                      \
-    }                                                                                             \
-    cm_amx_store_c(two, cc);                                                                      \
-    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                       \
+#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, whole_tiles)                       \
+  do {                                                                                           \
+    const int two = mr > CM_AMX_TILE_ROWS, three = mr > 2 * CM_AMX_TILE_ROWS;                    \
+    const size_t a_bytes = a_stride * (elem_bytes);                                              \
+    const size_t steps = k / (step_k), tail_k = k % (step_k);                                    \
+    const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                            \
+    _Alignas(64) int32_t bounce[3 * CM_AMX_TILE_ROWS * CM_NR];                                   \
+    void *cc = (whole_tiles && !three) || mr % CM_AMX_TILE_ROWS == 0 ? (void *)c : bounce;       \
+    if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                        \
+    _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                         \
+    const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */       \
+    cm_amx_configure_tiles__amx();                                                               \
+    cm_amx_load_c(two, cc, accumulate);                                                          \
+    if (three) cm_amx_load_c_third(cc, accumulate);                                              \
+    if (stage && steps) stage_b(staged[0], b8);                                                  \
+    for (size_t s = 0; s < steps; s++) {                                                         \
+      const uint8_t *bs = stage ? staged[s & 1] : b8 + s * CM_AMX_STEP_B_BYTES;                  \
+      if (!stage) cm_prefetch_step(&pf, pf_steps);                                               \
+      const int copy_next = stage && s + 1 < steps;                                              \
+      /* three rows of tiles: the next step's copy first (see the header) */                     \
+      if (three && copy_next) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES);  \
+      if (three)                                                                                 \
+        CM_AMX_STEP3(DP, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);           \
+      else                                                                                       \
+        CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);       \
+      if (!three && copy_next) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES); \
+    }                                                                                            \
+    if (tail_k) {                                                                                \
+      tail_tiles t;                                                                              \
+      fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),          \
+                b8 + steps * CM_AMX_STEP_B_BYTES, tail_k / (k_per_b_row));                       \
+      if (three)                                                                                 \
+        CM_AMX_STEP3(DP, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                       \
+      else                                                                                       \
+        CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                   \
+    }                                                                                            \
+    cm_amx_store_c(two, cc);                                                                     \
+    if (three) cm_amx_store_c_third(cc);                                                         \
+    if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                      \
   } while (0)
 
 /* whole_tiles: C has room for CM_MR_MAX rows (see the header) */
@@ -150,7 +171,7 @@ static inline __attribute__((always_inline)) void bf16_gemm(const int whole_tile
                                                             size_t a_stride, const void *b,
                                                             float *c, int accumulate,
                                                             cm_prefetch prefetch) {
-  CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && k % 2 == 0 && a_stride >= k);
+  CM_EXPECT(mr >= 1 && mr <= CM_AMX_CALL_ROWS && k % 2 == 0 && a_stride >= k);
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = k / CM_AMX_STEP_K_BF16 ? k / CM_AMX_STEP_K_BF16 : 1;
   CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, whole_tiles);
@@ -170,7 +191,7 @@ void cm_bf16_gemm_tiles_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
 void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t a_stride,
                                   const int8_t *b, int32_t *acc, int accumulate,
                                   cm_prefetch prefetch) {
-  CM_EXPECT(mr >= 1 && mr <= 2 * CM_AMX_TILE_ROWS && kc % 4 == 0 && a_stride >= kc);
+  CM_EXPECT(mr >= 1 && mr <= CM_AMX_CALL_ROWS && kc % 4 == 0 && a_stride >= kc);
   const size_t k = kc;
   int32_t *c = acc;
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);

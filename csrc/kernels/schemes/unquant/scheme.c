@@ -24,7 +24,9 @@ static int64_t w1_row_bytes_unquant(const cpumoe_moe_problem *p) {
  * (cm_prefetch_share), as INT8 does: the weights come from memory once and the memory
  * stream keeps going while the later panels compute. Splitting a reduction this way
  * changes no bits (C is reloaded exactly as it was left). A block of up to the config's
- * panel_major_panels goes panel by panel instead (cm_block_chunk, cm_block_prefetch). */
+ * panel_major_panels goes panel by panel instead (cm_block_chunk, cm_block_prefetch), and
+ * one of up to its block_rows_max rows in one call (cm_block_one_call): the same bits,
+ * each row's products and sums being its own whatever rows share its tiles. */
 static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                                float *c) {
   const cpumoe_moe_problem *p = r->p;
@@ -35,6 +37,12 @@ static void gemm_block_unquant(const cm_run *r, const cm_block *blk, int stage, 
   const int64_t expert = r->panels[blk->first_panel].expert;
   const uint16_t *w = (const uint16_t *)(stage == 1 ? p->w1 : p->w2) +
                       (size_t)expert * (size_t)(out_rows * red) + (size_t)(row0 * red);
+  if (cm_block_one_call(r, blk)) {
+    size_t a_stride;
+    const void *panel = cm_panel_operand(r, &r->panels[blk->first_panel], stage, 0, &a_stride);
+    gemm((size_t)cm_block_rows(r, blk), (size_t)red, panel, a_stride, w, c, 0, CM_PREFETCH_SELF);
+    return;
+  }
   const int64_t kc = cm_block_chunk(r, blk, red, CM_UNQUANT_KC);
   for (int64_t k0 = 0; k0 < red; k0 += kc) {
     const int64_t n = red - k0 < kc ? red - k0 : kc;
