@@ -10,7 +10,10 @@
 #include "common/parallel.h"
 #include "moe/pipeline.h"
 
-#define CM_REDUCE_COLS 512 /* columns summed per step of the reduce stage */
+/* Columns summed per step of the reduce stage: a token's topk rows of y are consecutive, and
+ * whole rows of 2048 (Qwen3's K) read them in one pass each rather than four. A timing build
+ * (bf16 Qwen3 M = 512, worker 0): the stage 1.55 -> 1.38 ms per call against 512 columns. */
+#define CM_REDUCE_COLS 2048
 
 /* Task t of a gemm stage with `tiles` column tiles per block -> (block, tile).
  * Tasks are numbered expert by expert and, within an expert, tile-major: the blocks
