@@ -46,7 +46,7 @@ static cm_layout plan(const cpumoe_moe_problem *p, const cm_gemm_config *gemm, i
   l.a1 = at, at = align64(at + sizeof(float) * (size_t)((l.slots + slack) * p->K) + pad);
   l.as1 = at, at = align64(at + sizeof(float) * (size_t)l.slots);
   l.qs1 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[0]));
-  l.mid = at, at = align64(at + sizeof(float) * (size_t)(l.slots * N));
+  l.mid = at, at = align64(at + sizeof(uint16_t) * (size_t)(l.slots * N));
   l.a2 = at, at = align64(at + (N ? sizeof(float) * (size_t)((l.slots + slack) * N) + pad : 0));
   l.as2 = at, at = align64(at + (N ? sizeof(float) * (size_t)l.slots : 0));
   l.qs2 = at, at = align64(at + sizeof(int32_t) * (size_t)(l.slots * l.sum_blocks[1]));

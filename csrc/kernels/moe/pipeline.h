@@ -132,8 +132,8 @@ typedef struct cm_panel_packer {
   /* Formats that hold the intermediate's own 16-bit values: writes row i of panel pn's
    * stage-2 operand, columns [col0, col0 + 32), from `mid` (fp32 values already rounded to
    * the activation dtype), as the gate/up GEMM makes them; pack then has nothing to do for
-   * stage 2. NULL: the values go through the fp32 intermediate and pack (quantized rows
-   * need their whole row first). */
+   * stage 2. NULL: the values go through the 16-bit intermediate (cm_run.mid) and pack
+   * (quantized rows need their whole row first). */
   void (*store_mid)(const cm_run *r, const cm_panel *pn, size_t i, int64_t col0, const float *mid);
   int quantized;     /* rows quantized to u8 (x once per token, mid rows per slot) */
   int block_sums;    /* per row and reduction block, the sum of q */
@@ -177,13 +177,15 @@ struct cm_run {
   float *a_scale[2];     /* per-row activation scales (quantized formats), by sorted position */
   int32_t *q_sums[2];    /* block-sum formats: per row and reduction block, sum of q */
   int64_t sum_blocks[2]; /* reduction blocks per row of q_sums, per stage */
-  float *mid;            /* [slots, N] rounded intermediate, by sorted position */
-  uint8_t *xq;           /* quantized formats: [mc, K] x rows (u8 = q + 128) ... */
-  float *xs;             /* ... and their scales */
-  uint8_t *midq;         /* quantized formats: [slots, N] mid rows */
-  float *y;              /* [slots, K] weighted expert outputs, by chunk-local slot */
-  /* write the y rows and the intermediate's values (fp32 mid rows, or 16-bit stage-2 panel
-   * rows): plain or streaming stores, per chunk (moe/stages.c, CM_CACHED_RESULT_BYTES) */
+  /* [slots, N] the intermediate, by sorted position: the activation's output rounded to the
+   * activation dtype, so its 16-bit bits hold it exactly (formats without store_mid) */
+  uint16_t *mid;
+  uint8_t *xq;   /* quantized formats: [mc, K] x rows (u8 = q + 128) ... */
+  float *xs;     /* ... and their scales */
+  uint8_t *midq; /* quantized formats: [slots, N] mid rows */
+  float *y;      /* [slots, K] weighted expert outputs, by chunk-local slot */
+  /* write the y rows and the intermediate's values (16-bit mid rows or stage-2 panel rows):
+   * plain or streaming stores, per chunk (moe/stages.c, CM_CACHED_RESULT_BYTES) */
   cm_bias_scale_fn store_y;
   cm_copy_fn put_mid;
   /* copies the x rows into the row-major stage-1 panels (pack1): plain or streaming stores,

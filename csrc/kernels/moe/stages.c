@@ -111,11 +111,13 @@ static void gemm1_task(void *ctx, int64_t t) {
   for (int64_t i = 0, in_panel = 0; i < rows; i++, in_panel++) {
     if (in_panel == pn->rows) pn++, in_panel = 0;
     const float *v = act + i * CM_NR;
-    if (stage2->store_mid)
+    if (stage2->store_mid) {
       stage2->store_mid(r, pn, (size_t)in_panel, 32 * tile, v);
-    else
-      r->put_mid(CM_NR * sizeof(float), v,
-                 r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile));
+    } else { /* exact: the values were rounded to the activation dtype */
+      CM_ALIGNED uint16_t v16[CM_NR];
+      r->narrow(CM_NR, v, v16);
+      r->put_mid(sizeof v16, v16, r->mid + (size_t)(first + i) * (size_t)N + (size_t)(32 * tile));
+    }
   }
 }
 
@@ -243,7 +245,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
   r.a_scale[1] = (float *)(ws + l.as2);
   r.q_sums[1] = (int32_t *)(ws + l.qs2);
   r.sum_blocks[1] = l.sum_blocks[1];
-  r.mid = (float *)(ws + l.mid);
+  r.mid = (uint16_t *)(ws + l.mid);
   r.midq = (uint8_t *)(ws + l.midq);
   r.y = (float *)(ws + l.y);
   for (int64_t m0 = 0; m0 < p->M; m0 += CM_CHUNK_TOKENS) {
@@ -252,7 +254,7 @@ cpumoe_status cpumoe_fused_experts(const cpumoe_moe_problem *p, void *workspace,
     const size_t slots = (size_t)(r.mc * p->topk);
     const int cached_y = slots * (size_t)p->K * sizeof(float) <= CM_CACHED_RESULT_BYTES;
     r.store_y = cached_y ? ew->bias_scale : ew->bias_scale_stream;
-    r.put_mid = cm_result_copy(ew, slots * (size_t)p->N * sizeof(float));
+    r.put_mid = cm_result_copy(ew, slots * (size_t)p->N * sizeof(uint16_t));
     r.put_a = cm_result_copy(ew, slots * (size_t)p->K * 2);
     cm_route_chunk(&r, (int64_t *)(ws + l.offsets), (int32_t *)(ws + l.sorted),
                    (float *)(ws + l.weights), (cm_panel *)(ws + l.panels),
