@@ -461,9 +461,9 @@ void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
 void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
                                            const uint8_t *, float *, int);
 
-/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c), of up to
- * CM_AMX_CALL_ROWS rows a call: the panels of a block taken at once (three rows of tiles;
- * cm_gemm_config.block_rows_max) */
+/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c); the bf16 `rows` entry
+ * takes up to CM_AMX_CALL_ROWS rows a call, the panels of a block at once (three rows of
+ * tiles; cm_gemm_config.block_rows_max), the others up to CM_MR_MAX */
 #define CM_AMX_CALL_ROWS 48
 void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
                                   cm_prefetch);

@@ -5,8 +5,9 @@
  *          B bf16 VNNI-2 [k/2][32][2] (a packed weight tile, or FP8 decoded to bf16).
  *   u8s8:  acc[mr][32] (+)= A x B int32; A u8 [mr][a_stride] rows (U8_ROWS panels, q + 128),
  *          B s8 VNNI-4 [kc/4][32][4] (a packed INT8 tile, or INT4 unpacked).
- *   mr <= CM_AMX_CALL_ROWS (48). C and acc have row stride 32. C goes through a bounce
- *   buffer unless mr is 16, 32 or 48, so that rows past mr are not written; acc
+ *   mr <= CM_AMX_CALL_ROWS (48) for cm_bf16_gemm_rows, CM_MR_MAX (32) for the others. C and
+ *   acc have row stride 32. C goes through a bounce buffer unless mr is 16, 32 or 48, so
+ *   that rows past mr are not written; acc
  *   (cm_gemm_u8s8_fn) and the C of cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have
  *   room for CM_MR_MAX rows, and the whole tiles are stored there up to 32 rows. The
  *   bounce's copies had 3 % of INT4 M = 512's samples (Qwen3, 2 threads); without them FP8
@@ -30,7 +31,10 @@
  * streaming 32-column blocks of K = 2048 from DRAM with 40 rows, 285 against 302 ns per
  * 4 KiB (32 rows: 245-257 either way, so they keep the copy after); copying it in halves
  * between the column halves took 328. Bf16 Qwen3 M = 512: 0.957x the time of the two calls
- * (docs/PERFORMANCE-HISTORY.md, "Two panels in one call").
+ * (docs/PERFORMANCE-HISTORY.md, "Two panels in one call"). Only cm_bf16_gemm_rows has the
+ * three-row code (max_rows of the body): compiled into FP8's chunk kernel
+ * (cm_bf16_gemm_tiles), which never takes more than 32 rows, it made the dense FP8 linear
+ * 1.05-1.11x slower.
  *
  * Tile loads read whole 16-row
  * tiles: rows past mr come from the next panel or the A region's slack (CM_PANEL_SLACK_ROWS) and
@@ -124,13 +128,14 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
 
-#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, whole_tiles)                       \
+#define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, whole_tiles, max_rows)             \
   do {                                                                                           \
-    const int two = mr > CM_AMX_TILE_ROWS, three = mr > 2 * CM_AMX_TILE_ROWS;                    \
+    const int two = mr > CM_AMX_TILE_ROWS;                                                       \
+    const int three = (max_rows) > 2 * CM_AMX_TILE_ROWS && mr > 2 * CM_AMX_TILE_ROWS;            \
     const size_t a_bytes = a_stride * (elem_bytes);                                              \
     const size_t steps = k / (step_k), tail_k = k % (step_k);                                    \
     const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                            \
-    _Alignas(64) int32_t bounce[3 * CM_AMX_TILE_ROWS * CM_NR];                                   \
+    _Alignas(64) int32_t bounce[(max_rows) * CM_NR];                                             \
     void *cc = (whole_tiles && !three) || mr % CM_AMX_TILE_ROWS == 0 ? (void *)c : bounce;       \
     if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                        \
     _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                         \
@@ -165,16 +170,19 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
     if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                      \
   } while (0)
 
-/* whole_tiles: C has room for CM_MR_MAX rows (see the header) */
+/* whole_tiles: C has room for CM_MR_MAX rows (see the header); up to CM_AMX_CALL_ROWS rows
+ * otherwise, CM_MR_MAX with whole tiles (FP8's chunk calls, one panel each) */
 static inline __attribute__((always_inline)) void bf16_gemm(const int whole_tiles, size_t mr,
                                                             size_t k, const void *a,
                                                             size_t a_stride, const void *b,
                                                             float *c, int accumulate,
                                                             cm_prefetch prefetch) {
-  CM_EXPECT(mr >= 1 && mr <= CM_AMX_CALL_ROWS && k % 2 == 0 && a_stride >= k);
+  CM_EXPECT(mr >= 1 && mr <= (whole_tiles ? CM_MR_MAX : CM_AMX_CALL_ROWS) && k % 2 == 0 &&
+            a_stride >= k);
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = k / CM_AMX_STEP_K_BF16 ? k / CM_AMX_STEP_K_BF16 : 1;
-  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, whole_tiles);
+  CM_AMX_GEMM_BODY(_tile_dpbf16ps, 2, 2, CM_AMX_STEP_K_BF16, whole_tiles,
+                   whole_tiles ? CM_MR_MAX : CM_AMX_CALL_ROWS);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }
 
@@ -191,11 +199,11 @@ void cm_bf16_gemm_tiles_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
 void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t a_stride,
                                   const int8_t *b, int32_t *acc, int accumulate,
                                   cm_prefetch prefetch) {
-  CM_EXPECT(mr >= 1 && mr <= CM_AMX_CALL_ROWS && kc % 4 == 0 && a_stride >= kc);
+  CM_EXPECT(mr >= 1 && mr <= CM_MR_MAX && kc % 4 == 0 && a_stride >= kc);
   const size_t k = kc;
   int32_t *c = acc;
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
-  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, 1);
+  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, 1, CM_MR_MAX);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }

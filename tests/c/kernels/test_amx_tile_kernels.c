@@ -1,15 +1,14 @@
 /*
- * Checks of the amx tier's tile GEMMs (tiles/gemm-amx.c) on calls of 33 to 48 rows, three
- * rows of tiles, which the pipeline makes for a block of two panels (cm_gemm_config.
- * block_rows_max):
- *   - u8 x s8: every row's int32 sums against a plain-C sum of products (exact);
- *   - bf16: every row bit for bit equal to the same row computed by calls of at most 32 rows
- *     (rows 0..31 in one call, the rest in another), which is what the pipeline assumes
- *     when it takes a block in one call instead of panel by panel: tdpbf16ps computes each
- *     row from its own A row and B alone.
- * Both with and without accumulating into C, over reductions with a partial last k step,
- * with the call staging its own weights (CM_PREFETCH_SELF) or requesting a share of other
- * memory, and with C rows past mr left as they were (unless mr is 48, a whole tile row).
+ * Checks of the amx tier's bf16 tile GEMM (cm_bf16_gemm_rows_mrx32__amx, tiles/gemm-amx.c)
+ * on calls of 33 to 48 rows, three rows of tiles, which the pipeline makes for a block of
+ * two panels (cm_gemm_config.block_rows_max): every row bit for bit equal to the same row
+ * computed by calls of at most 32 rows (rows 0..31 in one call, the rest in another), which
+ * is what the pipeline assumes when it takes a block in one call instead of panel by panel:
+ * tdpbf16ps computes each row from its own A row and B alone (and the calls of at most 32
+ * rows are held to the reference by the driver's cases). With and without accumulating
+ * into C, over reductions with a partial last k step, with the call staging its own
+ * weights (CM_PREFETCH_SELF) or requesting a share of other memory, and with C rows past mr
+ * left as they were (unless mr is 48, a whole tile row).
  * Its own program, linked with the core's objects by tools/build_c_tests.py: natively it runs
  * where the CPU has the amx tier (and says it skipped elsewhere); in the emulated build
  * (--emulate, the tile model of tests/c/emulate/amx.h) everywhere. Prints one line per
@@ -52,43 +51,6 @@ static const size_t g_rows[] = {33, 34, 40, 47, 48};
 /* The prefetch argument of a call: the kernel's own staging, or a share of `other`. */
 static cm_prefetch prefetch_of(int self, const void *other) {
   return self ? CM_PREFETCH_SELF : (cm_prefetch){other, 7};
-}
-
-/* ---- u8 x s8 ------------------------------------------------------------------------------ */
-
-static void check_u8s8(void) {
-  static const size_t ks[] = {64, 100, 256, 1092}; /* 100, 1092: a partial last step of 64 */
-  const int checks = g_checks;
-  for (size_t ri = 0; ri < sizeof g_rows / sizeof g_rows[0]; ri++)
-    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
-      for (int accumulate = 0; accumulate < 2; accumulate++)
-        for (int self = 0; self < 2; self++) {
-          const size_t mr = g_rows[ri], kc = ks[ki], as = kc + 64;
-          uint8_t *a = xmalloc((MAX_ROWS + SLACK_ROWS) * as);
-          int8_t *b = xmalloc(kc * NR);
-          for (size_t i = 0; i < (MAX_ROWS + SLACK_ROWS) * as; i++) a[i] = (uint8_t)rnd();
-          for (size_t i = 0; i < kc * NR; i++) b[i] = (int8_t)rnd();
-          int32_t acc[(MAX_ROWS + GUARD_ROWS) * NR], start[(MAX_ROWS + GUARD_ROWS) * NR];
-          for (size_t i = 0; i < sizeof acc / sizeof acc[0]; i++)
-            start[i] = (int32_t)(rnd() % 100000) - 50000;
-          memcpy(acc, start, sizeof acc);
-          cm_u8s8_gemm_rows_mrx32__amx(mr, kc, a, as, b, acc, accumulate, prefetch_of(self, a));
-          int ok = 1;
-          for (size_t i = 0; i < mr; i++)
-            for (size_t n = 0; n < NR; n++) {
-              int64_t sum = accumulate ? start[i * NR + n] : 0;
-              for (size_t k = 0; k < kc; k++) /* VNNI-4: k quad k / 4, column n, element k % 4 */
-                sum += (int64_t)a[i * as + k] * b[(k / 4) * NR * 4 + n * 4 + k % 4];
-              ok &= acc[i * NR + n] == (int32_t)sum;
-            }
-          check(ok, "u8s8 sums", mr, kc, accumulate, self);
-          int kept = 1;
-          for (size_t i = mr * NR; mr < MAX_ROWS && i < (MAX_ROWS + GUARD_ROWS) * NR; i++)
-            kept &= acc[i] == start[i];
-          check(kept, "u8s8 rows past mr untouched", mr, kc, accumulate, self);
-          free(a), free(b);
-        }
-  printf("amx tile kernels: u8s8 %d checks of 33-48 rows against exact sums\n", g_checks - checks);
 }
 
 /* ---- bf16 --------------------------------------------------------------------------------- */
@@ -147,7 +109,6 @@ int main(void) {
     return 0;
   }
   (void)cpumoe_active_isa(); /* on Linux: the tile data permission, asked at the first choice */
-  check_u8s8();
   check_bf16();
   cm_amx_end_op__amx();
   printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
