@@ -1,8 +1,8 @@
 /*
  * What the single-kernel test programs of tests/c/kernels/ share: the precondition hook of a
  * build that does not link common/error.c, a seeded splitmix64 generator and a checked
- * malloc, and which tiers can run. Define KERNEL_TEST_SEED (the generator's start) before
- * including it.
+ * malloc, the count of checks and failures, and which tiers can run. Define KERNEL_TEST_SEED (the
+ * generator's start) before including it.
  */
 #ifndef CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
 #define CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
@@ -41,6 +41,22 @@ static inline void *xmalloc(size_t bytes) {
     exit(2);
   }
   return p;
+}
+
+/* Checks run and failed, counted by kernel_check_failed, reported by kernel_test_summary. */
+static int g_checks, g_failures;
+
+/* Counts one check; 1 when it failed and is among the first 20 failures, so that the
+ * caller describes it. */
+static inline int kernel_check_failed(int ok) {
+  g_checks++;
+  return !ok && ++g_failures <= 20;
+}
+
+/* The program's last line and exit status: 1 when a check failed. */
+static inline int kernel_test_summary(void) {
+  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
+  return g_failures ? 1 : 0;
 }
 
 /* Whether a tier's kernels can run here: natively, the tiers the CPU has; in the emulated

@@ -29,12 +29,8 @@
 
 enum { NR = 32, MAX_ROWS = 48, SLACK_ROWS = 16, GUARD_ROWS = 2 };
 
-static int g_checks, g_failures;
-
 static void check(int ok, const char *what, size_t mr, size_t k, int accumulate, int self) {
-  g_checks++;
-  if (ok) return;
-  if (++g_failures <= 20)
+  if (kernel_check_failed(ok))
     fprintf(stderr, "FAIL: %s (mr %zu, k %zu, accumulate %d, %s)\n", what, mr, k, accumulate,
             self ? "staged" : "shared prefetch");
 }
@@ -111,6 +107,5 @@ int main(void) {
   (void)cpumoe_active_isa(); /* on Linux: the tile data permission, asked at the first choice */
   check_bf16();
   cm_amx_end_op__amx();
-  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
-  return g_failures ? 1 : 0;
+  return kernel_test_summary();
 }

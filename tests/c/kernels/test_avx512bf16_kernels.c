@@ -32,12 +32,8 @@
 
 enum { NR = 32, MR_BF16 = 12, MR_FP8 = 4, C_GUARD_ROWS = 1 };
 
-static int g_checks, g_failures;
-
 static void check(int ok, const char *what, size_t mr, size_t kp, int accumulate, size_t as) {
-  g_checks++;
-  if (ok) return;
-  if (++g_failures <= 20)
+  if (kernel_check_failed(ok))
     fprintf(stderr, "FAIL: %s (mr %zu, k pairs %zu, accumulate %d, a_stride %zu)\n", what, mr, kp,
             accumulate, as);
 }
@@ -338,6 +334,5 @@ int main(void) {
          g_bf16_differs, g_fp8_differs);
   check(g_bf16_differs > 0 && g_fp8_differs > 0, "special data reaches DAZ/FTZ", 0, 0, 0, 0);
 
-  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
-  return g_failures ? 1 : 0;
+  return kernel_test_summary();
 }

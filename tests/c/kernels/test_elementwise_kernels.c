@@ -23,12 +23,8 @@
 #define KERNEL_TEST_SEED 0x6a09e667f3bcc909u
 #include "kernel_test.h" /* rnd, xmalloc, the precondition hook */
 
-static int g_checks, g_failures;
-
 static void check(int ok, const char *what, const char *tier, size_t n, float inv_scale) {
-  g_checks++;
-  if (ok) return;
-  if (++g_failures <= 20)
+  if (kernel_check_failed(ok))
     fprintf(stderr, "FAIL: %s [%s] (n %zu, inv_scale %g)\n", what, tier, n, (double)inv_scale);
 }
 
@@ -128,6 +124,5 @@ static void check_quantize_u8(void) {
 
 int main(void) {
   check_quantize_u8();
-  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
-  return g_failures ? 1 : 0;
+  return kernel_test_summary();
 }

@@ -34,12 +34,9 @@
 
 enum { NR = 32, GROUP = 32, SLACK_ROWS = 16 };
 
-static int g_checks, g_failures;
-
 static void check(int ok, const char *what, const char *tier, size_t mr, size_t k) {
-  g_checks++;
-  if (ok) return;
-  if (++g_failures <= 20) fprintf(stderr, "FAIL: %s [%s] (mr %zu, k %zu)\n", what, tier, mr, k);
+  if (kernel_check_failed(ok))
+    fprintf(stderr, "FAIL: %s [%s] (mr %zu, k %zu)\n", what, tier, mr, k);
 }
 
 /* ---- the definition ------------------------------------------------------------------------ */
@@ -354,6 +351,5 @@ int main(void) {
   check_f32_gemms();
   check_pairs_gemm();
   check_amx_gemm();
-  printf("%s: %d checks, %d failures\n", g_failures ? "FAIL" : "ok", g_checks, g_failures);
-  return g_failures ? 1 : 0;
+  return kernel_test_summary();
 }
