@@ -50,54 +50,38 @@ void cm_amx_configure_tiles__amx(void);
  * (tiles/gemm-amx.c). */
 #define CM_AMX_C_STRIDE (CM_NR * 4)
 
-static inline
-    __attribute__((always_inline)) void cm_amx_load_c(int two, const void *c, int accumulate) {
-  if (!accumulate) {
-    _tile_zero(TC00);
-    _tile_zero(TC01);
-    if (two) {
-      _tile_zero(TC10);
-      _tile_zero(TC11);
-    }
-    return;
-  }
+/* One row of C tiles, t0 (columns 0..15) and t1 (16..31), from c's 16 rows at p or zero, and
+ * back (tile numbers are literals: macros) */
+#define CM_AMX_LOAD_C_ROW(t0, t1, p, accumulate)                \
+  do {                                                          \
+    if (accumulate) {                                           \
+      _tile_loadd(t0, (p), CM_AMX_C_STRIDE);                    \
+      _tile_loadd(t1, (const char *)(p) + 64, CM_AMX_C_STRIDE); \
+    } else {                                                    \
+      _tile_zero(t0);                                           \
+      _tile_zero(t1);                                           \
+    }                                                           \
+  } while (0)
+#define CM_AMX_STORE_C_ROW(t0, t1, p)                    \
+  do {                                                   \
+    _tile_stored(t0, (p), CM_AMX_C_STRIDE);              \
+    _tile_stored(t1, (char *)(p) + 64, CM_AMX_C_STRIDE); \
+  } while (0)
+
+/* C's tile_rows rows of tiles (1 to 3; the third as a three-row call numbers them) */
+static inline __attribute__((always_inline)) void cm_amx_load_c(int tile_rows, const void *c,
+                                                                int accumulate) {
   const char *p = (const char *)c;
-  _tile_loadd(TC00, p, CM_AMX_C_STRIDE);
-  _tile_loadd(TC01, p + 64, CM_AMX_C_STRIDE);
-  if (two) {
-    _tile_loadd(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
-    _tile_loadd(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
-  }
+  CM_AMX_LOAD_C_ROW(TC00, TC01, p, accumulate);
+  if (tile_rows > 1) CM_AMX_LOAD_C_ROW(TC10, TC11, p + 16 * CM_AMX_C_STRIDE, accumulate);
+  if (tile_rows > 2) CM_AMX_LOAD_C_ROW(T3C20, T3C21, p + 32 * CM_AMX_C_STRIDE, accumulate);
 }
 
-/* The C tiles of rows 32..47 of a three-row call from c (row stride 32) or zero; rows
- * 0..31 as cm_amx_load_c(1, ...). */
-static inline __attribute__((always_inline)) void cm_amx_load_c_third(const void *c,
-                                                                      int accumulate) {
-  if (!accumulate) {
-    _tile_zero(T3C20);
-    _tile_zero(T3C21);
-    return;
-  }
-  const char *p = (const char *)c + 32 * CM_AMX_C_STRIDE;
-  _tile_loadd(T3C20, p, CM_AMX_C_STRIDE);
-  _tile_loadd(T3C21, p + 64, CM_AMX_C_STRIDE);
-}
-
-static inline __attribute__((always_inline)) void cm_amx_store_c_third(void *c) {
-  char *p = (char *)c + 32 * CM_AMX_C_STRIDE;
-  _tile_stored(T3C20, p, CM_AMX_C_STRIDE);
-  _tile_stored(T3C21, p + 64, CM_AMX_C_STRIDE);
-}
-
-static inline __attribute__((always_inline)) void cm_amx_store_c(int two, void *c) {
+static inline __attribute__((always_inline)) void cm_amx_store_c(int tile_rows, void *c) {
   char *p = (char *)c;
-  _tile_stored(TC00, p, CM_AMX_C_STRIDE);
-  _tile_stored(TC01, p + 64, CM_AMX_C_STRIDE);
-  if (two) {
-    _tile_stored(TC10, p + 16 * CM_AMX_C_STRIDE, CM_AMX_C_STRIDE);
-    _tile_stored(TC11, p + 16 * CM_AMX_C_STRIDE + 64, CM_AMX_C_STRIDE);
-  }
+  CM_AMX_STORE_C_ROW(TC00, TC01, p);
+  if (tile_rows > 1) CM_AMX_STORE_C_ROW(TC10, TC11, p + 16 * CM_AMX_C_STRIDE);
+  if (tile_rows > 2) CM_AMX_STORE_C_ROW(T3C20, T3C21, p + 32 * CM_AMX_C_STRIDE);
 }
 
 /* One k step: A rows at a (stride a_bytes), B k-rows at b (stride b_bytes). */

@@ -136,13 +136,12 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
     const size_t steps = k / (step_k), tail_k = k % (step_k);                                    \
     const uint8_t *a8 = (const uint8_t *)a, *b8 = (const uint8_t *)b;                            \
     _Alignas(64) int32_t bounce[(max_rows) * CM_NR];                                             \
-    void *cc = (whole_tiles && !three) || mr % CM_AMX_TILE_ROWS == 0 ? (void *)c : bounce;       \
+    void *cc = whole_tiles || mr % CM_AMX_TILE_ROWS == 0 ? (void *)c : bounce;                   \
     if (cc != (void *)c && accumulate) memcpy(bounce, c, mr * CM_NR * 4);                        \
     _Alignas(64) uint8_t staged[2][CM_AMX_STEP_B_BYTES];                                         \
     const int stage = !prefetch.start; /* CM_PREFETCH_SELF: this call streams its own B */       \
     cm_amx_configure_tiles__amx();                                                               \
-    cm_amx_load_c(two, cc, accumulate);                                                          \
-    if (three) cm_amx_load_c_third(cc, accumulate);                                              \
+    cm_amx_load_c(1 + two + three, cc, accumulate);                                              \
     if (stage && steps) stage_b(staged[0], b8);                                                  \
     for (size_t s = 0; s < steps; s++) {                                                         \
       const uint8_t *bs = stage ? staged[s & 1] : b8 + s * CM_AMX_STEP_B_BYTES;                  \
@@ -165,8 +164,7 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
       else                                                                                       \
         CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                   \
     }                                                                                            \
-    cm_amx_store_c(two, cc);                                                                     \
-    if (three) cm_amx_store_c_third(cc);                                                         \
+    cm_amx_store_c(1 + two + three, cc);                                                         \
     if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                      \
   } while (0)
 

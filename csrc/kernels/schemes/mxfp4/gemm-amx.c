@@ -54,7 +54,7 @@ void cm_mxfp4_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
   const __m512i table = cm_mxfp4_table__avx512();
   const size_t groups = k / CM_MXFP4_GROUP;
   cm_amx_configure_tiles__amx();
-  cm_amx_load_c(two, cc, accumulate);
+  cm_amx_load_c(1 + two, cc, accumulate);
   /* Few rows: their 64 bytes of each step copied into a compact 1 KiB A tile (alternating
    * like B, for the same reason), instead of a tile load of 16 rows a reduction apart,
    * mostly slack (64 KiB of lines over the reduction at K = 2048, more than L1 holds) */
@@ -87,6 +87,6 @@ void cm_mxfp4_gemm_rows_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
       CM_AMX_STEP(_tile_dpbf16ps, two, a8 + t * CM_AMX_TILE_BYTES, a_bytes, tiles[t & 1],
                   CM_AMX_B_ROW_BYTES);
   }
-  cm_amx_store_c(two, cc);
+  cm_amx_store_c(1 + two, cc);
   if (cc != c) memcpy(c, bounce, mr * CM_NR * sizeof(float));
 }
