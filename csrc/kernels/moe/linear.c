@@ -144,7 +144,7 @@ static void prepare_task(void *ctx, int64_t t) {
 static void pack_task(void *ctx, int64_t t) {
   const cm_run *r = &((const cm_linear_run *)ctx)->run;
   const cm_panel *pn = &r->panels[t];
-  (pn->decode ? r->decode_packer : r->packer)->pack(r, pn, 1);
+  cm_panel_packer_of(r, pn)->pack(r, pn, 1);
 }
 
 /* Task t -> (block, tile) in the order of the header (ORDER). */

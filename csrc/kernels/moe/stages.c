@@ -107,7 +107,7 @@ static void gemm1_task(void *ctx, int64_t t) {
   apply_activation(r->ew, p->activation, p->alpha, p->limit, values, c0, c1, act);
   r->round16(values, act);
   const cm_panel *pn = &r->panels[blk->first_panel];
-  const cm_panel_packer *stage2 = pn->decode ? r->decode_packer : r->packer;
+  const cm_panel_packer *stage2 = cm_panel_packer_of(r, pn);
   for (int64_t i = 0, in_panel = 0; i < rows; i++, in_panel++) {
     if (in_panel == pn->rows) pn++, in_panel = 0;
     const float *v = act + i * CM_NR;
