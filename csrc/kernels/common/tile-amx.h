@@ -11,7 +11,7 @@
  * A call of 33 to 48 rows (three rows of tiles) uses them otherwise, from the same
  * configuration:
  *   0..5  C: rows 0..15 / 16..31 / 32..47 x columns 0..15 / 16..31
- *   6     A: the row of tiles being multiplied (each loaded twice per k step)
+ *   6     A: the row of tiles being multiplied (each loaded once per k step)
  *   7     B: the column half being multiplied
  */
 #ifndef CPUMOE_COMMON_TILE_AMX_H
@@ -99,27 +99,28 @@ static inline __attribute__((always_inline)) void cm_amx_store_c(int tile_rows, 
     }                                                                   \
   } while (0)
 
-/* One column half of a three-row call's k step: B's half at b, then each row of A tiles in
- * turn into C tiles c0, c1, c2. */
-#define CM_AMX_HALF3(DP, c0, c1, c2, a, a_bytes, b, b_bytes)         \
+/* One k step of a three-row call, with one A and one B register: each row of A tiles is
+ * loaded once and multiplied by the column half already in the B register, then by the
+ * other half, so the halves alternate from row to row (B0 B1 | B1 B0 | B0 B1). That is 3 A
+ * loads from the panel (in L2) and 4 B loads from the staged step (in L1), where taking
+ * the column halves one after the other reloads each A tile: 6 A loads and 2 B. Each C
+ * tile still gets one product per k step, so the sums are the same. */
+#define CM_AMX_STEP3(DP, a, a_bytes, b, b_bytes)                     \
   do {                                                               \
-    _tile_loadd(T3B, (b), (b_bytes));                                \
+    const char *b1_ = (const char *)(b) + CM_AMX_TILE_BYTES;         \
     _tile_loadd(T3A, (a), (a_bytes));                                \
-    DP(c0, T3A, T3B);                                                \
+    _tile_loadd(T3B, (b), (b_bytes));                                \
+    DP(TC00, T3A, T3B);                                              \
+    _tile_loadd(T3B, b1_, (b_bytes));                                \
+    DP(TC01, T3A, T3B);                                              \
     _tile_loadd(T3A, (const char *)(a) + 16 * (a_bytes), (a_bytes)); \
-    DP(c1, T3A, T3B);                                                \
+    DP(TC11, T3A, T3B);                                              \
+    _tile_loadd(T3B, (b), (b_bytes));                                \
+    DP(TC10, T3A, T3B);                                              \
     _tile_loadd(T3A, (const char *)(a) + 32 * (a_bytes), (a_bytes)); \
-    DP(c2, T3A, T3B);                                                \
-  } while (0)
-
-/* One k step of a three-row call. Each A tile is loaded twice and the tile registers are
- * reloaded between the products that read them: the blocks that take this step (33-48
- * rows of one expert) are bound by their weight stream, not by the tile unit. */
-#define CM_AMX_STEP3(DP, a, a_bytes, b, b_bytes)                                           \
-  do {                                                                                     \
-    CM_AMX_HALF3(DP, TC00, TC10, T3C20, a, a_bytes, b, b_bytes);                           \
-    CM_AMX_HALF3(DP, TC01, TC11, T3C21, a, a_bytes, (const char *)(b) + CM_AMX_TILE_BYTES, \
-                 b_bytes);                                                                 \
+    DP(T3C20, T3A, T3B);                                             \
+    _tile_loadd(T3B, b1_, (b_bytes));                                \
+    DP(T3C21, T3A, T3B);                                             \
   } while (0)
 
 #endif /* CPUMOE_COMMON_TILE_AMX_H */

@@ -25,7 +25,8 @@
  *
  * 33 to 48 rows (the two panels of a block taken in one call, cm_gemm_config.block_rows_max)
  * are three rows of tiles: 6 C, one A and one B register (common/tile-amx.h), each A tile
- * loaded once per column half, 6 products per k step. Such a call replaces a 32-row call
+ * loaded once per k step, the B halves reloaded instead (from the staged step in L1), 6
+ * products per k step. Such a call replaces a 32-row call
  * that streams the weights and a second one that rereads them from L2 with nothing streaming
  * meanwhile. Its next step's copy goes before the step's tile work, not after: one thread
  * streaming 32-column blocks of K = 2048 from DRAM with 40 rows, 285 against 302 ns per
