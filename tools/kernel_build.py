@@ -11,7 +11,11 @@ Never -march tuned to the build host: the same binary runs on any x86-64 CPU and
 tier at run time.
 """
 
+import functools
+import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +29,15 @@ BASE_CFLAGS = [
     "-ffp-contract=off", "-fno-math-errno",
     "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
     "-march=x86-64", "-mtune=generic",
-    # Thread-local variables (the AMX tile state, the error message) through TLS descriptors:
-    # after the first access of a thread a call into a few-instruction resolver, where the
-    # default model calls __tls_get_addr every time (1.4 % of FP8 prefill's samples on the
-    # AMX tier, whose tile kernels test their thread's tile state at every call).
-    "-mtls-dialect=gnu2",
 ]
+
+# Flags the kernels get where the compiler accepts them (one probe compile each; older
+# clang lacks the first):
+# - thread-local variables (the AMX tile state, the error message) through TLS descriptors:
+#   a call into a few-instruction resolver, where the default model calls __tls_get_addr at
+#   every access (1.4 % of FP8 prefill's samples on the AMX tier, whose tile kernels test
+#   their thread's tile state at every call).
+OPTIONAL_CFLAGS = ["-mtls-dialect=gnu2"]
 
 _TIER_ROW = re.compile(
     r'^\s*X\((?P<enum>\w+),\s*(?P<name>\w+),\s*(?P<id>\d+),\s*(?P<parent>\w+),\s*'
@@ -81,8 +88,24 @@ def kernel_dependencies(src: Path):
     return [src, *KERNELS.rglob("*.h"), *(INCLUDE / "cpumoe").glob("*.h")]
 
 
+@functools.lru_cache(maxsize=None)
+def supported_optional_flags(cc: str) -> tuple:
+    """The OPTIONAL_CFLAGS that `cc` compiles a C file with."""
+    def accepts(flag: str) -> bool:
+        try:
+            probe = subprocess.run([*shlex.split(cc), flag, "-x", "c", "-c", "-", "-o", os.devnull],
+                                   input="int cm_probe;\n", capture_output=True, text=True,
+                                   timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return probe.returncode == 0
+
+    return tuple(flag for flag in OPTIONAL_CFLAGS if accepts(flag))
+
+
 def compile_command(cc: str, src: Path, obj: Path, extra_flags=()):
     """The command that compiles one kernel source with its tier's flags; `extra_flags`
     come after them (so e.g. -O1 overrides -O3)."""
-    flags = BASE_CFLAGS + TIER_FLAGS[tier_of(src)] + list(extra_flags)
+    flags = (BASE_CFLAGS + list(supported_optional_flags(cc)) + TIER_FLAGS[tier_of(src)] +
+             list(extra_flags))
     return [cc, *flags, f"-I{INCLUDE}", f"-I{KERNELS}", "-c", str(src), "-o", str(obj)]
