@@ -25,15 +25,16 @@
  *
  * 33 to 48 rows (the two panels of a block taken in one call, cm_gemm_config.block_rows_max)
  * are three rows of tiles: 6 C, one A and one B register (common/tile-amx.h), each A tile
- * loaded once per k step, the B halves reloaded instead (from the staged step in L1), 6
- * products per k step. Such a call replaces a 32-row call
- * that streams the weights and a second one that rereads them from L2 with nothing streaming
- * meanwhile. Its next step's copy goes before the step's tile work, not after: one thread
- * streaming 32-column blocks of K = 2048 from DRAM with 40 rows, 285 against 302 ns per
- * 4 KiB (32 rows: 245-257 either way, so they keep the copy after); copying it in halves
- * between the column halves took 328. Bf16 Qwen3 M = 512: 0.957x the time of the two calls
- * (docs/PERFORMANCE-HISTORY.md, "Two panels in one call"). Only cm_bf16_gemm_rows has the
- * three-row code (max_rows of the body): compiled into FP8's chunk kernel
+ * loaded once per k step and the B halves reloaded instead (from the staged step in L1), 6
+ * products per k step. Such a call replaces a 32-row call that streams the weights and a
+ * second one that rereads them from L2 with nothing streaming meanwhile. Its next step's copy
+ * goes before the step's tile work, not after: one thread streaming 32-column blocks of
+ * K = 2048 from DRAM with 40 rows, 285 against 302 ns per 4 KiB (32 rows: 245-257 either
+ * way, so they keep the copy after); copying it in halves between the column halves took
+ * 328. Bf16 Qwen3 M = 512: 0.957x the time of the two calls while the step loaded each A
+ * tile twice, 0.93-0.96x more since it loads it once (docs/PERFORMANCE-HISTORY.md, "Two
+ * panels in one call", "Three-row steps load each A tile once"). Only cm_bf16_gemm_rows has
+ * the three-row code (max_rows of the body): compiled into FP8's chunk kernel
  * (cm_bf16_gemm_tiles), which never takes more than 32 rows, it made the dense FP8 linear
  * 1.05-1.11x slower.
  *
