@@ -7,11 +7,11 @@
  *          B s8 VNNI-4 [kc/4][32][4] (a packed INT8 tile, or INT4 unpacked).
  *   mr <= CM_AMX_CALL_ROWS (48) for cm_bf16_gemm_rows, CM_MR_MAX (32) for the others. C and
  *   acc have row stride 32. C goes through a bounce buffer unless mr is 16, 32 or 48, so
- *   that rows past mr are not written; acc
- *   (cm_gemm_u8s8_fn) and the C of cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have
- *   room for CM_MR_MAX rows, and the whole tiles are stored there up to 32 rows. The
- *   bounce's copies had 3 % of INT4 M = 512's samples (Qwen3, 2 threads); without them FP8
- *   M = 512 took 0.94-0.96x the time, with its one-scale K blocks (schemes/fp8/scheme.c).
+ *   that rows past mr are not written; acc (cm_gemm_u8s8_fn) and the C of
+ *   cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have room for CM_MR_MAX rows, and the
+ *   whole tiles are stored there. The bounce's copies had 3 % of INT4 M = 512's samples
+ *   (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
+ *   one-scale K blocks (schemes/fp8/scheme.c).
  *
  * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
  * a k quad in VNNI-4) is 128 bytes, so one tile load with stride 128 takes columns 0..15
@@ -38,10 +38,9 @@
  * (cm_bf16_gemm_tiles), which never takes more than 32 rows, it made the dense FP8 linear
  * 1.05-1.11x slower.
  *
- * Tile loads read whole 16-row
- * tiles: rows past mr come from the next panel or the A region's slack (CM_PANEL_SLACK_ROWS) and
- * make C rows that are never stored. A reduction that is not a whole number of k steps ends with
- * one step on zero-padded copies of its tail.
+ * Tile loads read whole 16-row tiles: rows past mr come from the next panel or the A region's
+ * slack (CM_PANEL_SLACK_ROWS) and make C rows that are never stored. A reduction that is not a
+ * whole number of k steps ends with one step on zero-padded copies of its tail.
  *
  * Each worker loads the configuration at its first tile kernel of an op and releases the
  * tiles when the op ends (cm_amx_end_op, the tier's end_op): ldtilecfg costs as much as a
@@ -130,6 +129,15 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
 #define CM_AMX_STEP_K_BF16 32
 #define CM_AMX_STEP_K_U8 64
 
+/* One k step over the call's rows of tiles: three (CM_AMX_STEP3), else one or two. */
+#define CM_AMX_ROWS_STEP(DP, two, three, a, a_bytes, b)        \
+  do {                                                         \
+    if (three)                                                 \
+      CM_AMX_STEP3(DP, a, a_bytes, b, CM_AMX_B_ROW_BYTES);     \
+    else                                                       \
+      CM_AMX_STEP(DP, two, a, a_bytes, b, CM_AMX_B_ROW_BYTES); \
+  } while (0)
+
 #define CM_AMX_GEMM_BODY(DP, elem_bytes, k_per_b_row, step_k, whole_tiles, max_rows)             \
   do {                                                                                           \
     const int two = mr > CM_AMX_TILE_ROWS;                                                       \
@@ -151,20 +159,14 @@ static inline __attribute__((always_inline)) void stage_b(uint8_t *restrict dst,
       const int copy_next = stage && s + 1 < steps;                                              \
       /* three rows of tiles: the next step's copy first (see the header) */                     \
       if (three && copy_next) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES);  \
-      if (three)                                                                                 \
-        CM_AMX_STEP3(DP, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);           \
-      else                                                                                       \
-        CM_AMX_STEP(DP, two, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs, CM_AMX_B_ROW_BYTES);       \
+      CM_AMX_ROWS_STEP(DP, two, three, a8 + s * CM_AMX_TILE_BYTES, a_bytes, bs);                 \
       if (!three && copy_next) stage_b(staged[(s + 1) & 1], b8 + (s + 1) * CM_AMX_STEP_B_BYTES); \
     }                                                                                            \
     if (tail_k) {                                                                                \
       tail_tiles t;                                                                              \
       fill_tail(&t, mr, a8 + steps * CM_AMX_TILE_BYTES, a_bytes, tail_k * (elem_bytes),          \
                 b8 + steps * CM_AMX_STEP_B_BYTES, tail_k / (k_per_b_row));                       \
-      if (three)                                                                                 \
-        CM_AMX_STEP3(DP, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                       \
-      else                                                                                       \
-        CM_AMX_STEP(DP, two, t.a, CM_AMX_TILE_BYTES, t.b, CM_AMX_B_ROW_BYTES);                   \
+      CM_AMX_ROWS_STEP(DP, two, three, t.a, CM_AMX_TILE_BYTES, t.b);                             \
     }                                                                                            \
     cm_amx_store_c(1 + two + three, cc);                                                         \
     if (cc != (void *)c) memcpy(c, bounce, mr * CM_NR * 4);                                      \

@@ -1,8 +1,8 @@
 /*
  * What the single-kernel test programs of tests/c/kernels/ share: the precondition hook of a
  * build that does not link common/error.c, a seeded splitmix64 generator and a checked
- * malloc, the count of checks and failures, and which tiers can run. Define KERNEL_TEST_SEED (the
- * generator's start) before including it.
+ * malloc, the count of checks and failures, and which tiers can run. Define
+ * KERNEL_TEST_SEED (the generator's start) before including it.
  */
 #ifndef CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
 #define CPUMOE_TESTS_C_KERNELS_KERNEL_TEST_H
