@@ -17,10 +17,14 @@
 
 #define CM_INLINE static inline __attribute__((always_inline))
 
-/* The avx2 decode kernels' read-ahead (unquant/, int8/, int4/), bytes of weights: into L1 and
- * into L2 (cm_prefetch_ahead), as the avx512 decode kernels' measured distances. */
+/* The avx2 and avx2vnni decode kernels' read-ahead (unquant/, int8/, int4/, fp8/, mxfp4/),
+ * bytes of weights: into L1 and into L2 (cm_prefetch_ahead). With the weights on huge pages
+ * 4 KiB into L2 streams faster than 8: the INT8 kernel over 1 GiB, two threads, 12.8-13.1 ->
+ * 17.0-17.7 GB/s each (bf16 15.8-16.8 -> 18.0-18.5); Qwen3 M = 1 on the AMX Xeon capped to
+ * avx2, paired A/Bs: INT8 0.94, bf16 0.94, fp16 0.90, MXFP4 0.97, FP8 and INT4 (bound by
+ * their decode work) 0.99 (docs/PERFORMANCE-HISTORY.md). */
 #define CM_DECODE_PF_L1_BYTES_AVX2 2048
-#define CM_DECODE_PF_L2_BYTES_AVX2 8192
+#define CM_DECODE_PF_L2_BYTES_AVX2 4096
 
 /* acc = C[:, col0..col0+16) (accumulate) or +0 */
 CM_INLINE void cm_tile_load__avx2(const int mr, __m256 *acc0, __m256 *acc1, const float *c,
