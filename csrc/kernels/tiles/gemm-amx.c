@@ -63,8 +63,11 @@
  * as the decode kernels' do. Two threads streaming 32-column blocks of K = 2048 from DRAM
  * (huge pages, 32-row panels, gate and up blocks alternating as in the op): 25.5-26.1 GB/s
  * with tile loads from the stream, 31.4-32.9 GB/s staged, as fast as a plain read loop
- * (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). The copy reads ahead into L2 on its own. */
-#define CM_AMX_STAGE_PF_BYTES 8192
+ * (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). The copy reads ahead into L2 on its own,
+ * 3 KiB past each line it copies: the same two threads at 32 rows 15.2-16.3 GB/s each against
+ * 14.4-15.3 at 8 KiB, at 40 rows 14.5-15.2 against 13.4-14.2 (4 KiB no better than 8, 2 KiB
+ * worse); Qwen3 M = 512 bf16 0.94x the time, INT8 0.96-0.98x ("Staged read-ahead of 3 KiB"). */
+#define CM_AMX_STAGE_PF_BYTES 3072
 
 typedef struct cm_amx_tile_config {
   uint8_t palette;
