@@ -42,11 +42,13 @@
 #include "common/ukernels.h"
 
 #define MR_DECODE 4
-/* Decode GEMM, bytes of nibbles requested ahead (the L2 streamer stops at 4 KiB pages):
- * prefetcht0 2 KiB and prefetcht1 8 KiB ahead, rounded up to whole blocks: faster than the
- * best single prefetcht0 distance (docs/PERFORMANCE-HISTORY.md). */
+/* Decode GEMM, bytes of nibbles requested ahead: prefetcht0 2 KiB and prefetcht1 4 KiB
+ * ahead, rounded up to whole blocks (two blocks of 128 k for both). Both are faster than the
+ * best single prefetcht0 distance; with the weights on huge pages 4 KiB into L2 is faster
+ * than 8 (Qwen3 M = 1 on amx, paired A/Bs: 0.960 and 0.965, M = 4 0.974; the avx512 tier
+ * 0.979; docs/PERFORMANCE-HISTORY.md). */
 #define CM_INT4_PREFETCH_L1_BYTES 2048
-#define CM_INT4_PREFETCH_L2_BYTES 8192
+#define CM_INT4_PREFETCH_L2_BYTES 4096
 /* The unpack's own read-ahead into L1, on top of the share of the chunk that the GEMM calls
  * before it requested into L2 (as FP8's chunk decode): amx INT4 M=512 about 3 % faster
  * (docs/PERFORMANCE-HISTORY.md, "FP8 prefill on the AMX tier, taken apart"). */
