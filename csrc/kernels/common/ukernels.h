@@ -102,8 +102,9 @@ static inline __attribute__((always_inline)) void cm_prefetch_finish(cm_prefetch
  *                                                        B s8 VNNI-4 [kc/4][32][4]
  * `accumulate` = 0 starts from zero. Integer sums are exact, so a reduction may be split
  * into chunks (the pipeline does, to reuse each weight chunk across panels in cache).
- * `prefetch`: see cm_prefetch. acc has room for CM_MR_MAX rows: a kernel may write rows
- * past mr (the tile kernel stores whole 16-row tiles). */
+ * `prefetch`: see cm_prefetch. acc has room for CM_MR_MAX rows, or for CM_AMX_CALL_ROWS where
+ * mr is above CM_MR_MAX (a block in one call, cm_gemm_config.block_rows_max): a kernel may
+ * write rows past mr (the tile kernel stores whole 16-row tiles). */
 typedef void (*cm_gemm_u8s8_fn)(size_t mr, size_t kc, const uint8_t *a_panel, size_t a_stride,
                                 const int8_t *b, int32_t *acc, int accumulate,
                                 cm_prefetch prefetch);
@@ -461,9 +462,9 @@ void cm_fp8_to_bf16__avx512bf16(size_t, const uint8_t *, void *);
 void cm_mxfp4_gemm_pairs_mrx32__avx512bf16(size_t, size_t, const void *, size_t, const uint8_t *,
                                            const uint8_t *, float *, int);
 
-/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c); the bf16 `rows` entry
- * takes up to CM_AMX_CALL_ROWS rows a call, the panels of a block at once (three rows of
- * tiles; cm_gemm_config.block_rows_max), the others up to CM_MR_MAX */
+/* amx: tile GEMMs on BF16_ROWS and U8_ROWS panels (tiles/gemm-amx.c); the `rows` entries
+ * take up to CM_AMX_CALL_ROWS rows a call, the panels of a block at once (three rows of
+ * tiles; cm_gemm_config.block_rows_max), the `tiles` entry up to CM_MR_MAX */
 #define CM_AMX_CALL_ROWS 48
 void cm_bf16_gemm_rows_mrx32__amx(size_t, size_t, const void *, size_t, const void *, float *, int,
                                   cm_prefetch);

@@ -282,6 +282,7 @@ static void cm_config_init__amx(cm_tier_config *c) {
     g->kernels.int8.gemm_decode = g->kernels.int8.gemm;
     g->decode_max_rows = CM_AMX_INT8_VECTOR_ROWS;
     on_tiles(g, CM_PANEL_U8_ROWS)->kernels.int8.gemm = cm_u8s8_gemm_rows_mrx32__amx;
+    g->block_rows_max = CM_AMX_CALL_ROWS; /* blocks of 33-48 rows in one call, as bf16's */
     g->linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
     cm_gemm_config *int4 = on_tiles(&c->gemm[CM_INT4][act], CM_PANEL_U8_ROWS);
     int4->kernels.int4.gemm_u8s8 = cm_u8s8_gemm_rows_mrx32__amx;

@@ -5,12 +5,12 @@
  *          B bf16 VNNI-2 [k/2][32][2] (a packed weight tile, or FP8 decoded to bf16).
  *   u8s8:  acc[mr][32] (+)= A x B int32; A u8 [mr][a_stride] rows (U8_ROWS panels, q + 128),
  *          B s8 VNNI-4 [kc/4][32][4] (a packed INT8 tile, or INT4 unpacked).
- *   mr <= CM_AMX_CALL_ROWS (48) for cm_bf16_gemm_rows, CM_MR_MAX (32) for the others. C and
- *   acc have row stride 32. C goes through a bounce buffer unless mr is 16, 32 or 48, so
- *   that rows past mr are not written; acc (cm_gemm_u8s8_fn) and the C of
- *   cm_bf16_gemm_tiles (FP8's sums, cm_fp8_kernels) have room for CM_MR_MAX rows, and the
- *   whole tiles are stored there. The bounce's copies had 3 % of INT4 M = 512's samples
- *   (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
+ *   mr <= CM_AMX_CALL_ROWS (48) for the `rows` kernels, CM_MR_MAX (32) for
+ *   cm_bf16_gemm_tiles. C and acc have row stride 32. C goes through a bounce buffer unless
+ *   mr is 16, 32 or 48, so that rows past mr are not written; acc (cm_gemm_u8s8_fn: room for
+ *   CM_MR_MAX rows, CM_AMX_CALL_ROWS above that) and the C of cm_bf16_gemm_tiles (FP8's sums,
+ *   cm_fp8_kernels; room for CM_MR_MAX rows) take whole tiles. The bounce's copies had 3 % of INT4
+ * M = 512's samples (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
  *   one-scale K blocks (schemes/fp8/scheme.c).
  *
  * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
@@ -33,10 +33,11 @@
  * way, so they keep the copy after); copying it in halves between the column halves took
  * 328. Bf16 Qwen3 M = 512: 0.957x the time of the two calls while the step loaded each A
  * tile twice, 0.93-0.96x more since it loads it once (docs/PERFORMANCE-HISTORY.md, "Two
- * panels in one call", "Three-row steps load each A tile once"). Only cm_bf16_gemm_rows has
- * the three-row code (max_rows of the body): compiled into FP8's chunk kernel
- * (cm_bf16_gemm_tiles), which never takes more than 32 rows, it made the dense FP8 linear
- * 1.05-1.11x slower.
+ * panels in one call", "Three-row steps load each A tile once"). The u8s8 kernel has the
+ * same step for INT8's blocks of 33-48 rows: INT8 M = 512 0.944-0.995x the time of the chunk
+ * path ("Shorter read-ahead"; before the staged copy read 3 KiB ahead, 0.99-1.01x). FP8's
+ * chunk kernel (cm_bf16_gemm_tiles), which never takes more than 32 rows, leaves it out:
+ * compiled in, it made the dense FP8 linear 1.05-1.11x slower.
  *
  * Tile loads read whole 16-row tiles: rows past mr come from the next panel or the A region's
  * slack (CM_PANEL_SLACK_ROWS) and make C rows that are never stored. A reduction that is not a
@@ -204,11 +205,11 @@ void cm_bf16_gemm_tiles_mrx32__amx(size_t mr, size_t k, const void *a, size_t a_
 void cm_u8s8_gemm_rows_mrx32__amx(size_t mr, size_t kc, const uint8_t *a, size_t a_stride,
                                   const int8_t *b, int32_t *acc, int accumulate,
                                   cm_prefetch prefetch) {
-  CM_EXPECT(mr >= 1 && mr <= CM_MR_MAX && kc % 4 == 0 && a_stride >= kc);
+  CM_EXPECT(mr >= 1 && mr <= CM_AMX_CALL_ROWS && kc % 4 == 0 && a_stride >= kc);
   const size_t k = kc;
   int32_t *c = acc;
   cm_prefetch_cursor pf = cm_prefetch_begin(prefetch);
   const size_t pf_steps = kc / CM_AMX_STEP_K_U8 ? kc / CM_AMX_STEP_K_U8 : 1;
-  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, 1, CM_MR_MAX);
+  CM_AMX_GEMM_BODY(_tile_dpbusd, 1, 4, CM_AMX_STEP_K_U8, 1, CM_AMX_CALL_ROWS);
   if (prefetch.start) cm_prefetch_finish(&pf);
 }

@@ -1,14 +1,15 @@
 /*
- * Checks of the amx tier's bf16 tile GEMM (cm_bf16_gemm_rows_mrx32__amx, tiles/gemm-amx.c)
- * on calls of 33 to 48 rows, three rows of tiles, which the pipeline makes for a block of
- * two panels (cm_gemm_config.block_rows_max): every row bit for bit equal to the same row
- * computed by calls of at most 32 rows (rows 0..31 in one call, the rest in another), which
- * is what the pipeline assumes when it takes a block in one call instead of panel by panel:
- * tdpbf16ps computes each row from its own A row and B alone (and the calls of at most 32
- * rows are held to the reference by the driver's cases). With and without accumulating
- * into C, over reductions with a partial last k step, with the call staging its own
- * weights (CM_PREFETCH_SELF) or requesting a share of other memory, and with C rows past mr
- * left as they were (unless mr is 48, a whole tile row).
+ * Checks of the amx tier's tile GEMMs (cm_bf16_gemm_rows_mrx32__amx and
+ * cm_u8s8_gemm_rows_mrx32__amx, tiles/gemm-amx.c) on calls of 33 to 48 rows, three rows of
+ * tiles, which the pipeline makes for a block of two panels (cm_gemm_config.block_rows_max):
+ * every row bit for bit equal to the same row computed by calls of at most 32 rows (rows
+ * 0..31 in one call, the rest in another), which is what the pipeline assumes when it takes a
+ * block in one call instead of panel by panel: a tile product computes each row from its own
+ * A row and B alone (and the calls of at most 32 rows are held to the reference by the
+ * driver's cases). With and without accumulating into C, over reductions with a partial last
+ * k step, with the call staging its own weights (CM_PREFETCH_SELF) or requesting a share of
+ * other memory; bf16's C rows past mr left as they were (unless mr is 48, a whole tile row),
+ * u8s8's accumulators written as whole tiles up to row 48 and not past it.
  * Its own program, linked with the core's objects by tools/build_c_tests.py: natively it runs
  * where the CPU has the amx tier (and says it skipped elsewhere); in the emulated build
  * (--emulate, the tile model of tests/c/emulate/amx.h) everywhere. Prints one line per
@@ -96,6 +97,42 @@ static void check_bf16(void) {
          g_checks - checks);
 }
 
+/* ---- u8 x s8 ------------------------------------------------------------------------------ */
+
+static void check_u8s8(void) {
+  static const size_t ks[] = {64, 100, 256, 2048}; /* 100: a partial last step of 64 */
+  const int checks = g_checks;
+  for (size_t ri = 0; ri < sizeof g_rows / sizeof g_rows[0]; ri++)
+    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
+      for (int accumulate = 0; accumulate < 2; accumulate++)
+        for (int self = 0; self < 2; self++) {
+          const size_t mr = g_rows[ri], k = ks[ki], as = k + 64;
+          uint8_t *a = xmalloc((MAX_ROWS + SLACK_ROWS) * as);
+          int8_t *b = xmalloc(k * NR);
+          for (size_t i = 0; i < (MAX_ROWS + SLACK_ROWS) * as; i++) a[i] = (uint8_t)rnd();
+          for (size_t i = 0; i < k * NR; i++) b[i] = (int8_t)rnd();
+          int32_t acc[(MAX_ROWS + GUARD_ROWS) * NR], split[(MAX_ROWS + GUARD_ROWS) * NR];
+          for (size_t i = 0; i < sizeof acc / sizeof acc[0]; i++)
+            acc[i] = (int32_t)(rnd() % 2001) - 1000;
+          memcpy(split, acc, sizeof acc);
+          int32_t guard[GUARD_ROWS * NR];
+          memcpy(guard, acc + MAX_ROWS * NR, sizeof guard);
+          cm_u8s8_gemm_rows_mrx32__amx(mr, k, a, as, b, acc, accumulate, prefetch_of(self, a));
+          cm_u8s8_gemm_rows_mrx32__amx(32, k, a, as, b, split, accumulate, prefetch_of(self, a));
+          cm_u8s8_gemm_rows_mrx32__amx(mr - 32, k, a + 32 * as, as, b, split + 32 * NR, accumulate,
+                                       prefetch_of(self, a));
+          int ok = 1;
+          for (size_t i = 0; i < mr * NR; i++) ok &= acc[i] == split[i];
+          check(ok, "u8s8 rows equal to calls of up to 32 rows", mr, k, accumulate, self);
+          int kept = 1;
+          for (size_t i = 0; i < GUARD_ROWS * NR; i++) kept &= acc[MAX_ROWS * NR + i] == guard[i];
+          check(kept, "u8s8 rows past 48 untouched", mr, k, accumulate, self);
+          free(a), free(b);
+        }
+  printf("amx tile kernels: u8s8 %d checks of 33-48 rows against calls of up to 32 rows\n",
+         g_checks - checks);
+}
+
 int main(void) {
   if (!tier_runs(CPUMOE_ISA_AMX)) {
     printf("amx tile kernels: skipped, this CPU lacks the amx tier\n");
@@ -103,6 +140,7 @@ int main(void) {
   }
   (void)cpumoe_active_isa(); /* on Linux: the tile data permission, asked at the first choice */
   check_bf16();
+  check_u8s8();
   cm_amx_end_op__amx();
   return kernel_test_summary();
 }

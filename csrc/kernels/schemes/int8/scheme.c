@@ -42,23 +42,35 @@ static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int
   const float *w_scale =
       (stage == 1 ? p->w1_scale : p->w2_scale) + (size_t)expert * (size_t)out_rows + row0;
   const cm_gemm_u8s8_fn gemm = r->panels[blk->first_panel].decode ? k->gemm_decode : k->gemm;
+  /* [panel][row][column]; a block in one call fills the panels' rows in turn */
   CM_ALIGNED int32_t acc[CM_PANELS_PER_BLOCK_MAX][CM_MR_MAX * CM_NR];
-  /* one panel shares nothing: one call over the whole reduction (a tile kernel then loads
-   * and stores its accumulators once), nor does a block the config runs panel by panel. The
-   * dense linear's blocks of 8 panels take chunks of twice the size: a tile kernel's call is
-   * then 8 k steps instead of 4 per load and store of its accumulators (Qwen3 q projection
-   * M = 512, amx: 0.91x the time, o projection 0.93x); in the fused MoE's blocks of up to 4
-   * panels, chunks of 512 took 1.03x the time at M = 512. */
-  const int64_t chunk =
-      cm_block_chunk(r, blk, red, blk->panels > CM_PANELS_PER_BLOCK ? 2 * CM_INT8_KC : CM_INT8_KC);
-  for (int64_t k0 = 0; k0 < red; k0 += chunk) {
-    const size_t kc = (size_t)(red - k0 < chunk ? red - k0 : chunk);
-    for (int32_t q = 0; q < blk->panels; q++) {
-      const cm_panel *pn = &r->panels[blk->first_panel + q];
-      size_t a_stride;
-      const uint8_t *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
-      gemm((size_t)pn->rows, kc, panel, a_stride, w + k0 * CM_NR, acc[q], k0 > 0,
-           cm_block_prefetch(r, blk, q, w + (k0 + chunk) * CM_NR, (size_t)chunk * CM_NR));
+  _Static_assert(CM_PANELS_PER_BLOCK_MAX * CM_MR_MAX >= CM_AMX_CALL_ROWS, "one call's rows");
+  if (cm_block_one_call(r, blk)) {
+    /* a block of up to the config's block_rows_max rows (amx: 33-48, two panels at one row
+     * stride) in one call that stages its own weights, as bf16's (unquant/scheme.c): Qwen3
+     * M = 512 0.944-0.995x the time of the chunks (docs/PERFORMANCE-HISTORY.md) */
+    size_t a_stride;
+    const uint8_t *panel = cm_panel_operand(r, &r->panels[blk->first_panel], stage, 0, &a_stride);
+    gemm((size_t)cm_block_rows(r, blk), (size_t)red, panel, a_stride, w, acc[0], 0,
+         CM_PREFETCH_SELF);
+  } else {
+    /* one panel shares nothing: one call over the whole reduction (a tile kernel then loads
+     * and stores its accumulators once), nor does a block the config runs panel by panel. The
+     * dense linear's blocks of 8 panels take chunks of twice the size: a tile kernel's call is
+     * then 8 k steps instead of 4 per load and store of its accumulators (Qwen3 q projection
+     * M = 512, amx: 0.91x the time, o projection 0.93x); in the fused MoE's blocks of up to 4
+     * panels, chunks of 512 took 1.03x the time at M = 512. */
+    const int64_t chunk = cm_block_chunk(
+        r, blk, red, blk->panels > CM_PANELS_PER_BLOCK ? 2 * CM_INT8_KC : CM_INT8_KC);
+    for (int64_t k0 = 0; k0 < red; k0 += chunk) {
+      const size_t kc = (size_t)(red - k0 < chunk ? red - k0 : chunk);
+      for (int32_t q = 0; q < blk->panels; q++) {
+        const cm_panel *pn = &r->panels[blk->first_panel + q];
+        size_t a_stride;
+        const uint8_t *panel = cm_panel_operand(r, pn, stage, k0, &a_stride);
+        gemm((size_t)pn->rows, kc, panel, a_stride, w + k0 * CM_NR, acc[q], k0 > 0,
+             cm_block_prefetch(r, blk, q, w + (k0 + chunk) * CM_NR, (size_t)chunk * CM_NR));
+      }
     }
   }
   for (int32_t q = 0; q < blk->panels; q++) {
