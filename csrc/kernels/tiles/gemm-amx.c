@@ -9,9 +9,9 @@
  *   cm_bf16_gemm_tiles. C and acc have row stride 32. C goes through a bounce buffer unless
  *   mr is 16, 32 or 48, so that rows past mr are not written; acc (cm_gemm_u8s8_fn: room for
  *   CM_MR_MAX rows, CM_AMX_CALL_ROWS above that) and the C of cm_bf16_gemm_tiles (FP8's sums,
- *   cm_fp8_kernels; room for CM_MR_MAX rows) take whole tiles. The bounce's copies had 3 % of INT4
- * M = 512's samples (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x the time, with its
- *   one-scale K blocks (schemes/fp8/scheme.c).
+ *   cm_fp8_kernels; room for CM_MR_MAX rows) take whole tiles. The bounce's copies had 3 %
+ *   of INT4 M = 512's samples (Qwen3, 2 threads); without them FP8 M = 512 took 0.94-0.96x
+ *   the time, with its one-scale K blocks (schemes/fp8/scheme.c).
  *
  * The packed weights are already B tiles: a k-row of a 32-column block (a k pair in VNNI-2,
  * a k quad in VNNI-4) is 128 bytes, so one tile load with stride 128 takes columns 0..15
@@ -67,7 +67,7 @@
  * (docs/PERFORMANCE-HISTORY.md, "Staged B tiles"). The copy reads ahead into L2 on its own,
  * 3 KiB past each line it copies: the same two threads at 32 rows 15.2-16.3 GB/s each against
  * 14.4-15.3 at 8 KiB, at 40 rows 14.5-15.2 against 13.4-14.2 (4 KiB no better than 8, 2 KiB
- * worse); Qwen3 M = 512 bf16 0.94x the time, INT8 0.96-0.98x ("Staged read-ahead of 3 KiB"). */
+ * worse); Qwen3 M = 512 bf16 0.94x the time, INT8 0.96-0.98x ("Shorter read-ahead"). */
 #define CM_AMX_STAGE_PF_BYTES 3072
 
 typedef struct cm_amx_tile_config {

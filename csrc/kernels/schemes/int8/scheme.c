@@ -29,7 +29,8 @@ static int64_t w1_row_bytes_int8(const cpumoe_moe_problem *p) {
  * from L1 by the other panels, while each panel's call prefetches its share of the next
  * chunk, so streaming and dot products overlap (integer sums are exact in any order).
  * After the last chunk that is the head of the next tile, which the next task reads. A
- * block of one panel has nothing to share: its calls read ahead on their own. */
+ * block of one panel has nothing to share: its calls read ahead on their own; nor has a
+ * block of up to the config's block_rows_max rows, which goes through one call. */
 static void gemm_block_int8(const cm_run *r, const cm_block *blk, int stage, int64_t row0,
                             float *c) {
   const cpumoe_moe_problem *p = r->p;
