@@ -49,6 +49,18 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_parts() -> str:
+    """The resident set's anonymous and file-backed parts (Linux's /proc/self/status), for
+    the failure message: a leak grows RssAnon, code pages touched for the first time grow
+    RssFile."""
+    try:
+        with open("/proc/self/status") as f:
+            return " ".join(line.split(":")[0] + " " + line.split(":")[1].strip()
+                            for line in f if line.startswith(("RssAnon", "RssFile")))
+    except OSError:
+        return ""
+
+
 def _fused(method, is_vnni=True, bad_ids=False):
     x = torch.randn(M, K).to(torch.bfloat16)
     tw, ti = make_routing(M, E, TOPK)
@@ -104,11 +116,12 @@ def test_rss_flat(case):
     for _ in range(WARMUP):
         call()
     trim_heap()
-    samples = [rss()]
+    samples, first_parts = [rss()], rss_parts()
     for i in range(1, CALLS + 1):
         call()
         if i % EVERY == 0:
             samples.append(rss())
     rise = max(samples) - samples[0]
     assert rise <= SLACK, (f"RSS rose by {rise / 1024:.0f} KiB over {CALLS} calls "
-                           f"(samples in KiB: {[s // 1024 for s in samples]})")
+                           f"(samples in KiB: {[s // 1024 for s in samples]}; "
+                           f"first: {first_parts}; last: {rss_parts()})")
