@@ -102,6 +102,7 @@ setup(
                 "csrc/bindings/routing.cpp",
                 "csrc/bindings/linear.cpp",
                 "csrc/bindings/runtime.cpp",
+                "csrc/bindings/forwarding.cpp",
             ],
             include_dirs=[str(INCLUDE)],
             # -fopenmp: at::parallel_for (the runner in runtime.cpp) is an OpenMP parallel region

@@ -43,6 +43,13 @@ def same(a, b):
 
 def arguments(schema):
     return [(a.name, str(a.type)) for a in schema.arguments]
+
+def cpu_kernel_source(op):
+    # where op's CPU kernel was registered, as the dispatcher's dump says ("file:line")
+    lines = [line for line in torch._C._dispatch_dump(op.name()).splitlines()
+             if line.startswith("CPU:")]
+    assert len(lines) == 1, torch._C._dispatch_dump(op.name())
+    return lines[0].split("registered at ", 1)[1].split(" ", 1)[0]
 """
 
 
@@ -93,6 +100,8 @@ def test_sglang_schemas_and_registration():
             assert arguments(op._schema) == arguments(forward.target._schema), forward
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+            # the C++ forwarder, not a Python kernel
+            assert "forwarding.cpp:" in cpu_kernel_source(op), cpu_kernel_source(op)
         current = torch.ops.sgl_kernel.fused_experts_cpu.default._schema
         assert arguments(current)[-1] == ("activation", "Optional[str]")
         assert current.arguments[-1].default_value is None and \
@@ -436,6 +445,50 @@ def test_sglang_import_twice():
     """)
 
 
+def test_forward_to_cpumoe():
+    """The C++ forwarder on its own: an op of another namespace whose argument types line
+    up with a cpumoe overload's (names and defaults may differ) returns that overload's
+    bits, errors of the cpumoe kernel come through with their message, and an argument
+    list that does not line up, an undefined op or an unknown target is refused by name."""
+    run_child("""
+        from cpumoe import _C
+        lib = torch.library.Library("cpumoe_fwd_test", "DEF")
+        lib.define("pack(Tensor w) -> Tensor")
+        lib.define("pack.two(Tensor w, int n=3) -> Tensor")
+        lib.define("route(Tensor h, Tensor g, int k=2, bool r=True) -> (Tensor, Tensor)")
+        _C.forward_to_cpumoe("cpumoe_fwd_test", "pack", "convert_weight_packed")
+        _C.forward_to_cpumoe("cpumoe_fwd_test", "route", "topk_softmax_cpu")
+        t, cm = torch.ops.cpumoe_fwd_test, torch.ops.cpumoe
+        w = torch.randn(2, 64, 128).bfloat16()
+        assert same(t.pack(w), cm.convert_weight_packed(w))
+        x, logits = torch.randn(5, 64).bfloat16(), torch.randn(5, 16)
+        assert same(t.route(x, logits), cm.topk_softmax_cpu(x, logits, 2, True))
+        assert same(t.route(x, logits, 3, False), cm.topk_softmax_cpu(x, logits, 3, False))
+        for bad in (torch.randn(2, 64, 100).bfloat16(), torch.randn(2, 64, 128, 4)):
+            try:
+                cm.convert_weight_packed(bad)
+            except RuntimeError as e:
+                want = str(e).splitlines()[0]
+            try:
+                t.pack(bad)
+            except RuntimeError as e:
+                assert str(e).splitlines()[0] == want, (str(e), want)
+            else:
+                raise AssertionError("no error")
+        for args, message in (
+                (("pack.two", "convert_weight_packed"), "do not line up"),
+                (("route", "convert_weight_packed"), "do not line up"),
+                (("missing", "convert_weight_packed"), "cpumoe_fwd_test::missing is not defined"),
+                (("pack", "no_such_op"), "cpumoe::no_such_op is not defined")):
+            try:
+                _C.forward_to_cpumoe("cpumoe_fwd_test", *args)
+            except RuntimeError as e:
+                assert message in str(e), (args, str(e))
+            else:
+                raise AssertionError(f"{args} was accepted")
+    """)
+
+
 # ---------------------------------------------------------------------------------------
 # cpumoe.vllm
 
@@ -468,6 +521,7 @@ def test_vllm_schemas_and_registration():
                 [a.type for a in forward.target._schema.arguments], forward
             assert [a.name for a in op._schema.arguments] == \\
                 [a.name for a in forward.target._schema.arguments], forward
+            assert "forwarding.cpp:" in cpu_kernel_source(op), cpu_kernel_source(op)
         assert torch.ops._C.fused_experts_cpu.default._schema.arguments[0].alias_info.is_write
     """)
 

@@ -140,6 +140,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("up"), pybind11::arg("alpha") = 0.0, pybind11::arg("limit") = 0.0,
         "the active tier's activation kernel on fp32 gate/up: silu, gelu, swiglu or "
         "silu_clamp (tests)");
+  m.def("forward_to_cpumoe", &rt::forward_to_cpumoe, pybind11::arg("namespace"),
+        pybind11::arg("overload"), pybind11::arg("target"),
+        "give namespace::overload a CPU kernel that calls torch.ops.cpumoe's `target` overload "
+        "with the same arguments, in C++");
   m.def("runner_threads", &rt::runner_threads,
         "distinct OS threads that torch's runner gives `workers` workers");
 }

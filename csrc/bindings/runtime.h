@@ -53,6 +53,11 @@ double probe_int8(int64_t iterations);
 double probe_fma(int64_t iterations);
 double probe_bf16(int64_t iterations);
 int64_t runner_threads(int64_t workers);
+// Gives `ns`'s op overload `overload` ("name" or "name.overload", defined already) a CPU
+// kernel that calls torch.ops.cpumoe's `target_overload` with the arguments as they are;
+// both argument lists must have the same types, position by position (forwarding.cpp).
+void forward_to_cpumoe(const std::string &ns, const std::string &overload,
+                       const std::string &target_overload);
 at::Tensor activation_values(const std::string &name, const at::Tensor &gate, const at::Tensor &up,
                              double alpha, double limit);
 

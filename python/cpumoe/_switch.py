@@ -2,10 +2,12 @@
 ``import cpumoe.sglang`` and ``import cpumoe.vllm`` (docs/SGLANG.md, "The one-line switch").
 
 Each op there is defined with the other library's exact schema and gets two kernels: for
-CPU tensors, the matching ``torch.ops.cpumoe`` overload itself (the argument lists line up,
-so no Python wrapper runs between the two dispatcher calls), and for fake/meta tensors the
-same overload again, which then runs cpumoe's fake kernel; so ``torch.compile`` traces the
-forwarded ops as it traces cpumoe's.
+CPU tensors, a C++ kernel that hands the arguments, as the dispatcher boxed them, to the
+matching ``torch.ops.cpumoe`` overload (the argument lists line up; ``_C.forward_to_cpumoe``
+checks that they do), so that no Python runs between the two dispatcher calls (a Python
+kernel there cost 15-30 us a call from cold caches, docs/SGLANG.md, "Cost"); and for
+fake/meta tensors the same overload again, which then runs cpumoe's fake kernel; so
+``torch.compile`` traces the forwarded ops as it traces cpumoe's.
 
 An op name the namespace already has (the real library registered it) is left alone, with
 all its overloads, and named in one warning. What was registered and what was named are
@@ -21,6 +23,8 @@ import warnings
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
+
+from . import _C
 
 _LIBRARIES: Dict[str, torch.library.Library] = {}  # namespace -> the fragment cpumoe owns
 _OURS: Set[str] = set()  # "namespace::name" of every op name defined through _LIBRARIES
@@ -83,6 +87,18 @@ def fakes_may_be_overridden() -> bool:
     return "allow_override" in params and params["allow_override"].default is True
 
 
+def cpumoe_overload(target: Callable) -> Optional[str]:
+    """``"name"`` or ``"name.overload"`` when ``target`` is an overload of a
+    ``torch.ops.cpumoe`` op, else None."""
+    schema = getattr(target, "_schema", None)
+    if not isinstance(target, torch._ops.OpOverload) or schema is None:
+        return None
+    namespace, _, name = schema.name.partition("::")
+    if namespace != "cpumoe":
+        return None
+    return f"{name}.{schema.overload_name}" if schema.overload_name else name
+
+
 def register(namespace: str, forwards: Iterable[Forward], module: str,
              fakes_left_to_caller: FrozenSet[str] = frozenset()) -> Registration:
     """Defines every op of ``forwards`` that ``namespace`` lacks (all overloads of a name
@@ -107,7 +123,11 @@ def register(namespace: str, forwards: Iterable[Forward], module: str,
             lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
         for forward in overloads:
             lib.define(forward.schema)
-            lib.impl(forward.overload, forward.target, "CPU")
+            target = cpumoe_overload(forward.target)
+            if target is not None:
+                _C.forward_to_cpumoe(namespace, forward.overload, target)
+            else:
+                lib.impl(forward.overload, forward.target, "CPU")
             skip_fake = (forward.overload in fakes_left_to_caller
                          and not fakes_may_be_overridden())
             if not skip_fake:
