@@ -62,10 +62,12 @@ void check_lines_up(const c10::FunctionSchema &source, const c10::FunctionSchema
 
 void forward_to_cpumoe(const std::string &ns, const std::string &overload,
                        const std::string &target_overload) {
-  // Registrations live as long as the process: a torch::Library removes its kernels when
-  // it is destroyed, and the Python fragment that defined the schemas is never released.
+  // Registrations live as long as the process, as the Python fragments that defined the
+  // schemas do: a torch::Library removes its kernels when it is destroyed, so these never
+  // are, not even at exit, where the order of Python's and this library's teardown is not
+  // ours to choose.
   static std::mutex mutex;
-  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  static auto *libraries = new std::vector<std::unique_ptr<torch::Library>>();
   const c10::OperatorHandle source = find_op(ns, overload);
   const c10::OperatorHandle target = find_op("cpumoe", target_overload);
   check_lines_up(source.schema(), target.schema());
@@ -74,7 +76,7 @@ void forward_to_cpumoe(const std::string &ns, const std::string &overload,
                                                   __FILE__, __LINE__);
   library->impl(overload.c_str(), torch::CppFunction::makeFromBoxedFunctor(
                                       std::make_unique<ForwardToCpumoe>(target)));
-  libraries.push_back(std::move(library));
+  libraries->push_back(std::move(library));
 }
 
 }  // namespace cpumoe::bindings
