@@ -489,6 +489,33 @@ def test_forward_to_cpumoe():
     """)
 
 
+def test_switch_python_kernel_for_other_targets():
+    """A forward whose target is not a torch.ops.cpumoe overload (a function that calls
+    one) keeps a Python CPU kernel, and the call still gives the overload's bits."""
+    run_child("""
+        from cpumoe import _switch
+        def pack_twice(w):
+            return torch.ops.cpumoe.convert_weight_packed(w)
+        assert _switch.cpumoe_overload(pack_twice) is None
+        assert _switch.cpumoe_overload(torch.ops.aten.add.Tensor) is None
+        assert _switch.cpumoe_overload(torch.ops.cpumoe.fused_experts_cpu.default) == \\
+            "fused_experts_cpu"
+        assert _switch.cpumoe_overload(torch.ops.cpumoe.fused_experts_cpu.bias) == \\
+            "fused_experts_cpu.bias"
+        reg = _switch.register("cpumoe_py_test", [
+            _switch.Forward("pack(Tensor w) -> Tensor", pack_twice),
+            _switch.Forward("pack.cpp(Tensor w) -> Tensor",
+                            torch.ops.cpumoe.convert_weight_packed.default)], "test")
+        assert reg.registered == ("pack",), reg
+        t = torch.ops.cpumoe_py_test.pack
+        assert "_switch.py:" in cpu_kernel_source(t.default), cpu_kernel_source(t.default)
+        assert "forwarding.cpp:" in cpu_kernel_source(t.cpp), cpu_kernel_source(t.cpp)
+        w = torch.randn(2, 64, 128).bfloat16()
+        want = torch.ops.cpumoe.convert_weight_packed(w)
+        assert same(t.default(w), want) and same(t.cpp(w), want)
+    """)
+
+
 # ---------------------------------------------------------------------------------------
 # cpumoe.vllm
 
