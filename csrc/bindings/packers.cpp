@@ -54,7 +54,8 @@ at::Tensor convert_scale_packed(const at::Tensor &scale) {
   const int64_t rows = scale.size(-2), groups = scale.size(-1);
   TORCH_CHECK(rows % 32 == 0, op, ": scale has ", rows,
               " rows (the weight's out features), which must be a multiple of 32");
-  at::Tensor packed = at::empty(scale.sizes(), scale.options());
+  // streamed with the codes on every call, as the weights are: on huge pages like them
+  at::Tensor packed = new_huge_page_tensor(scale.sizes(), scale.options());
   if (scale.numel() == 0) return packed;
   const cpumoe_runner runner = aten_runner();
   check_status(cpumoe_pack_e8m0_scales(scale.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(),
@@ -121,9 +122,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convert_weight_packed_scale_zp(
   };
   at::Tensor packed = new_huge_page_tensor(shaped({oc / 32, ic / bk, 16 * bk + 128}),
                                            qweight.options().dtype(at::kByte));
-  at::Tensor zeros = at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kChar));
+  // the zero points and scales stream beside the weights on every call: huge pages too (a
+  // decode kernel with them on 4 KiB pages streamed 10-15 % slower, docs/PERFORMANCE-HISTORY.md)
+  at::Tensor zeros =
+      new_huge_page_tensor(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kChar));
   at::Tensor out_scales =
-      at::empty(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kFloat));
+      new_huge_page_tensor(shaped({oc / 32, groups, 32}), qweight.options().dtype(at::kFloat));
   const cpumoe_runner runner = aten_runner();
   check_status(
       cpumoe_pack_int4(awq ? CPUMOE_INT4_AWQ : CPUMOE_INT4_GPTQ, qweight.data_ptr<int32_t>(),

@@ -60,9 +60,10 @@ at::Tensor new_output_like(const at::Tensor &like) {
 
 // Packed weights are streamed whole from memory on every call, so they are asked for
 // transparent huge pages: fewer TLB misses and page walks in the stream. Measured on an AMX
-// Xeon VM (docs/PERFORMANCE-HISTORY.md), a few percent at decode and prefill alike. The
-// workspace too: a tile load of an A panel reads 16 rows, each on its own 4 KiB page when
-// the rows are 4 KiB or more apart.
+// Xeon VM (docs/PERFORMANCE-HISTORY.md), a few percent at decode and prefill alike. So are
+// the side tensors streamed with them (INT4's zero points and scales, MXFP4's packed
+// scales). The workspace too: a tile load of an A panel reads 16 rows, each on its own 4 KiB
+// page when the rows are 4 KiB or more apart.
 // MADV_HUGEPAGE covers the 2 MiB-aligned interior of the allocation, before the first write
 // faults its pages in; it is only advice (a kernel with THP "never", or a fragmented
 // memory, gives 4 KiB pages and the same results).
