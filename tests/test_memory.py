@@ -55,8 +55,8 @@ def rss_parts() -> str:
     RssFile."""
     try:
         with open("/proc/self/status") as f:
-            return " ".join(line.split(":")[0] + " " + line.split(":")[1].strip()
-                            for line in f if line.startswith(("RssAnon", "RssFile")))
+            parts = (line.partition(":") for line in f if line.startswith(("RssAnon", "RssFile")))
+            return " ".join(f"{key} {value.strip()}" for key, _, value in parts)
     except OSError:
         return ""
 

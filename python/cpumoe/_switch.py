@@ -90,9 +90,9 @@ def fakes_may_be_overridden() -> bool:
 def cpumoe_overload(target: Callable) -> Optional[str]:
     """``"name"`` or ``"name.overload"`` when ``target`` is an overload of a
     ``torch.ops.cpumoe`` op, else None."""
-    schema = getattr(target, "_schema", None)
-    if not isinstance(target, torch._ops.OpOverload) or schema is None:
+    if not isinstance(target, torch._ops.OpOverload):
         return None
+    schema = target._schema
     namespace, _, name = schema.name.partition("::")
     if namespace != "cpumoe":
         return None
