@@ -995,7 +995,8 @@ def test_bench_routing(tmp_path, monkeypatch, capsys):
 
 def test_ab_builds_tool():
     """tools/ab_builds.py pairs two builds; here the same one twice (an A/A run) on a tiny
-    shape: both workers start, every round prints, the summary's ratio is near 1. Rounds of
+    shape: both workers start, in both spawn orders, every round prints, the summary's ratio
+    is near 1. Rounds of
     20 calls: with 2, one slow call in a round swung its ratio from 0.03 to 40 and the median
     of 3 rounds past 5 (seen once)."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(cpumoe.__file__)))
@@ -1007,8 +1008,11 @@ def test_ab_builds_tool():
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines[:5]] == [f"round {k}" for k in range(5)]
+    # two sittings of fresh workers, one per spawn order (3 rounds, then 2)
+    assert ["new spawned first" in ln for ln in lines[:5]] == [False] * 3 + [True] * 2, lines
     summary = lines[-1]
     assert summary.startswith("custom") and "int8 M=3" in summary, summary
+    assert "old spawned first " in summary and "new spawned first " in summary, summary
     ratio = float(summary.split("new/old median ")[1].split()[0])
     assert 0.2 < ratio < 5, summary  # the same build: timing noise only, never a crash or 0
     linear = subprocess.run(

@@ -11,12 +11,19 @@ Each directory is a `python/` tree with its own built extension (`python setup.p
 --inplace` in a checkout or a `git worktree` of each commit, then copy its `python/`). One
 long-lived worker process per build holds its own weight copies (as many as the bench
 cycles through, so weights come from DRAM) and the same 64 routings; the two take turns,
-the order swapping every round, and each round times `--calls` calls per build. Printed: each
-round's median ms per build and their ratio new / old, then the median ratio with the
-smallest and largest round. On the shared development VMs a single run of a case drifts by
-several percent from minute to minute; rounds a few seconds apart see the same drift, so
-their ratio does not (docs/PERFORMANCE-HISTORY.md: "The intermediate with streaming stores").
-Nothing else should run meanwhile, builds included.
+the order swapping every round, and each round times `--calls` calls per build. On the
+shared development VMs a single run of a case drifts by several percent from minute to
+minute; rounds a few seconds apart see the same drift, so their ratio does not
+(docs/PERFORMANCE-HISTORY.md: "The intermediate with streaming stores").
+
+Where a process's memory lands moves its speed too: on the AMX Xeon VM one build against
+itself gave 0.86-0.90, the worker spawned second being the faster, and weight copies allocated
+later in one process ran up to 0.82x the time of the first ("A/B runs in both spawn
+orders"). So the rounds are split into two sittings with fresh workers, the old build's
+spawned first, then the new one's, and the figure is the geometric mean of the two
+sittings' median ratios, in which a bias of the order cancels. Printed: each round's median
+ms per build and their ratio new / old, then that figure with the smallest and largest round
+and each sitting's median. Nothing else should run meanwhile, builds included.
 """
 
 from __future__ import annotations
@@ -125,28 +132,53 @@ def main(argv=None) -> int:
     if not args.old or not args.new:
         ap.error("give the old and the new build's python/ directories")
     calls = args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
-    old, new = _spawn(args.old, args), _spawn(args.new, args)
-    ratios, old_ms, new_ms = [], [], []
-    try:
-        for k in range(args.rounds):
-            if k % 2:
-                b = _round(new, calls)
-                a = _round(old, calls)
-            else:
-                a = _round(old, calls)
-                b = _round(new, calls)
-            old_ms.append(a)
-            new_ms.append(b)
-            ratios.append(b / a)
-            print(f"round {k}: old {a:.3f} ms, new {b:.3f} ms, new/old {b / a:.3f}", flush=True)
-    finally:
-        for p in (old, new):
-            p.stdin.close()
-            p.wait()
+    # Two sittings, each with fresh workers: the old build's spawned first, then the new
+    # one's. Where a process's memory lands moves its speed (module docstring), and the
+    # worker spawned second allocates its weights second.
+    first_half = (args.rounds + 1) // 2
+    sittings = [(False, first_half), (True, args.rounds - first_half)]
+    ratios, old_ms, new_ms, sitting_medians = [], [], [], []
+    k = 0
+    for new_first, rounds in sittings:
+        if rounds == 0:
+            continue
+        if new_first:
+            new = _spawn(args.new, args)
+            old = _spawn(args.old, args)
+        else:
+            old = _spawn(args.old, args)
+            new = _spawn(args.new, args)
+        sitting = []
+        try:
+            for _ in range(rounds):
+                if k % 2:
+                    b = _round(new, calls)
+                    a = _round(old, calls)
+                else:
+                    a = _round(old, calls)
+                    b = _round(new, calls)
+                old_ms.append(a)
+                new_ms.append(b)
+                sitting.append(b / a)
+                print(f"round {k}: old {a:.3f} ms, new {b:.3f} ms, new/old {b / a:.3f}"
+                      f"{' (new spawned first)' if new_first else ''}", flush=True)
+                k += 1
+        finally:
+            for p in (old, new):
+                p.stdin.close()
+                p.wait()
+        ratios += sitting
+        sitting_medians.append(statistics.median(sitting))
+    # the geometric mean of the sittings' medians: a bias of the spawn order cancels
+    ratio = statistics.geometric_mean(sitting_medians)
     case = f"linear {args.linear}" if args.linear else args.shape
+    by_order = ""
+    if len(sitting_medians) == 2:
+        by_order = (f"; old spawned first {sitting_medians[0]:.3f}, "
+                    f"new spawned first {sitting_medians[1]:.3f}")
     print(f"{case} {args.scheme} M={args.m}: old {statistics.median(old_ms):.3f} ms, "
-          f"new {statistics.median(new_ms):.3f} ms; new/old median {statistics.median(ratios):.3f} "
-          f"(rounds {min(ratios):.3f}-{max(ratios):.3f})")
+          f"new {statistics.median(new_ms):.3f} ms; new/old median {ratio:.3f} "
+          f"(rounds {min(ratios):.3f}-{max(ratios):.3f}{by_order})")
     return 0
 
 
