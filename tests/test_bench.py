@@ -1025,3 +1025,31 @@ def test_ab_builds_tool():
     missing = subprocess.run([sys.executable, tool, pkg_parent], env=subprocess_env(),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "old and the new build" in missing.stderr
+
+
+def test_ab_switch_tool():
+    """tools/ab_switch.py times values of an environment variable in one process; here one
+    the build never reads (every value an A/A pair): a line per value, in order, the first
+    exactly 1 against itself, the others timing noise only."""
+    tool = os.path.join(REPO, "tools", "ab_switch.py")
+    res = subprocess.run(
+        [sys.executable, tool, "--env", "CPUMOE_AB_SWITCH_TEST", "--values", "a,a,b",
+         "--scheme", "int8", "--m", "3", "--shape", SHAPE, "--rounds", "3", "--calls", "10"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert [ln.split(": ")[0] for ln in lines] == [
+        f"custom:8,2,256,128 int8 M=3 CPUMOE_AB_SWITCH_TEST={v}" for v in "aab"], lines
+    assert "median 1.000 (quartiles 1.000-1.000)" in lines[0], lines[0]
+    for ln in lines[1:]:
+        assert 0.2 < float(ln.split("median ")[1].split()[0]) < 5, ln
+    linear = subprocess.run(
+        [sys.executable, tool, "--env", "CPUMOE_AB_SWITCH_TEST", "--values", "0,1",
+         "--scheme", "bf16", "--m", "3", "--linear", "custom:64,96", "--rounds", "1",
+         "--calls", "3"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert linear.returncode == 0, linear.stderr
+    assert linear.stdout.startswith("linear custom:64,96 bf16 M=3 CPUMOE_AB_SWITCH_TEST=0: ")
+    one = subprocess.run([sys.executable, tool, "--env", "X", "--values", "0"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert one.returncode == 2 and "at least two values" in one.stderr
