@@ -113,25 +113,41 @@ def _round(p: subprocess.Popen, calls: int) -> float:
     return float(p.stdout.readline())
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old", nargs="?", help="python/ dir of the old build")
-    ap.add_argument("new", nargs="?", help="python/ dir of the new build")
+def add_case_arguments(ap: argparse.ArgumentParser, rounds: int, each: str) -> None:
+    """The case and round options this tool and tools/ab_switch.py share (`each`: what a
+    round times `--calls` calls of)."""
     ap.add_argument("--scheme", default="bf16", help="bf16, fp16, int8, fp8, int4 or mxfp4")
     ap.add_argument("--m", type=int, default=512, help="tokens per call")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="as the bench's --shape (one)")
     ap.add_argument("--linear", default="", metavar="SHAPE",
                     help="time the dense linear op on this bench-linear shape instead")
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--calls", type=int, help="calls per build and round (default by M)")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--calls", type=int, help=f"calls per {each} and round (default by M)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def calls_per_round(args: argparse.Namespace) -> int:
+    return args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
+
+
+def case_label(args: argparse.Namespace) -> str:
+    """The case as the summary lines name it."""
+    case = f"linear {args.linear}" if args.linear else args.shape
+    return f"{case} {args.scheme} M={args.m}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", nargs="?", help="python/ dir of the old build")
+    ap.add_argument("new", nargs="?", help="python/ dir of the new build")
+    add_case_arguments(ap, 12, "build")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args.scheme, args.m, args.shape, args.seed, args.linear)
     if not args.old or not args.new:
         ap.error("give the old and the new build's python/ directories")
-    calls = args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
+    calls = calls_per_round(args)
     # Two sittings, each with fresh workers: the old build's spawned first, then the new
     # one's. Where a process's memory lands moves its speed (module docstring), and the
     # worker spawned second allocates its weights second.
@@ -171,12 +187,11 @@ def main(argv=None) -> int:
         sitting_medians.append(statistics.median(sitting))
     # the geometric mean of the sittings' medians: a bias of the spawn order cancels
     ratio = statistics.geometric_mean(sitting_medians)
-    case = f"linear {args.linear}" if args.linear else args.shape
     by_order = ""
     if len(sitting_medians) == 2:
         by_order = (f"; old spawned first {sitting_medians[0]:.3f}, "
                     f"new spawned first {sitting_medians[1]:.3f}")
-    print(f"{case} {args.scheme} M={args.m}: old {statistics.median(old_ms):.3f} ms, "
+    print(f"{case_label(args)}: old {statistics.median(old_ms):.3f} ms, "
           f"new {statistics.median(new_ms):.3f} ms; new/old median {ratio:.3f} "
           f"(rounds {min(ratios):.3f}-{max(ratios):.3f}{by_order})")
     return 0

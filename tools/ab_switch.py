@@ -28,7 +28,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_builds import CALLS_BY_M, _linear_case, _moe_case  # noqa: E402
+from ab_builds import (  # noqa: E402
+    _linear_case,
+    _moe_case,
+    add_case_arguments,
+    calls_per_round,
+    case_label,
+)
 
 
 def main(argv=None) -> int:
@@ -36,19 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--env", required=True, help="the environment variable the build reads")
     ap.add_argument("--values", required=True,
                     help="comma list of its values; the first is the reference, and may repeat")
-    ap.add_argument("--scheme", default="bf16", help="bf16, fp16, int8, fp8, int4 or mxfp4")
-    ap.add_argument("--m", type=int, default=512, help="tokens per call")
-    ap.add_argument("--shape", default="qwen3-30b-a3b", help="as the bench's --shape (one)")
-    ap.add_argument("--linear", default="", metavar="SHAPE",
-                    help="time the dense linear op on this bench-linear shape instead")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--calls", type=int, help="calls per value and round (default by M)")
-    ap.add_argument("--seed", type=int, default=0)
+    add_case_arguments(ap, 20, "value")
     args = ap.parse_args(argv)
     values = args.values.split(",")
     if len(values) < 2 or args.rounds < 1:
         ap.error("give at least two values and one round")
-    calls = args.calls or next(n for top, n in CALLS_BY_M if top == 0 or args.m <= top)
+    calls = calls_per_round(args)
     if args.linear:
         call, _ = _linear_case(args.scheme, args.m, args.linear, args.seed)
     else:
@@ -77,11 +76,10 @@ def main(argv=None) -> int:
             os.environ.pop(args.env, None)
         else:
             os.environ[args.env] = saved
-    case = f"linear {args.linear}" if args.linear else args.shape
     for j, v in enumerate(values):
         ratios = [a / b for a, b in zip(ms[j], ms[0])]
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        print(f"{case} {args.scheme} M={args.m} {args.env}={v}: "
+        print(f"{case_label(args)} {args.env}={v}: "
               f"{statistics.median(ms[j]):.3f} ms; over {args.env}={values[0]}: "
               f"median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
     return 0
