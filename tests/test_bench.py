@@ -995,10 +995,9 @@ def test_bench_routing(tmp_path, monkeypatch, capsys):
 
 def test_ab_builds_tool():
     """tools/ab_builds.py pairs two builds; here the same one twice (an A/A run) on a tiny
-    shape: both workers start, in both spawn orders, every round prints, the summary's ratio
-    is near 1. Rounds of
-    20 calls: with 2, one slow call in a round swung its ratio from 0.03 to 40 and the median
-    of 3 rounds past 5 (seen once)."""
+    shape: both workers start in both spawn orders, every round prints, the summary's ratio
+    is near 1. Rounds of 20 calls: with 2, one slow call in a round swung its ratio from
+    0.03 to 40 and the median of 3 rounds past 5 (seen once)."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(cpumoe.__file__)))
     tool = os.path.join(REPO, "tools", "ab_builds.py")
     res = subprocess.run(
@@ -1025,6 +1024,9 @@ def test_ab_builds_tool():
     missing = subprocess.run([sys.executable, tool, pkg_parent], env=subprocess_env(),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "old and the new build" in missing.stderr
+    no_rounds = subprocess.run([sys.executable, tool, pkg_parent, pkg_parent, "--rounds", "0"],
+                               env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert no_rounds.returncode == 2 and "at least one round" in no_rounds.stderr
 
 
 def test_ab_switch_tool():

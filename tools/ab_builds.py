@@ -147,6 +147,8 @@ def main(argv=None) -> int:
         return _worker(args.scheme, args.m, args.shape, args.seed, args.linear)
     if not args.old or not args.new:
         ap.error("give the old and the new build's python/ directories")
+    if args.rounds < 1:
+        ap.error("give at least one round")
     calls = calls_per_round(args)
     # Two sittings, each with fresh workers: the old build's spawned first, then the new
     # one's. Where a process's memory lands moves its speed (module docstring), and the
