@@ -31,12 +31,15 @@
 #include "common/ukernels.h"
 #include "schemes/mxfp4/decode-avx512.h"
 
-/* Read-ahead of the codes, a group (8 lines) at a time: into L1 2 groups ahead, into L2 8
- * groups (4 KiB) ahead (a stream from memory needs more misses in flight than the hardware
- * prefetchers keep; 4 KiB measured 2-3 % faster than 8 KiB at M=1 with the weights on huge
- * pages: docs/PERFORMANCE-HISTORY.md, "Decode read-ahead on huge pages") */
+/* Read-ahead of the codes, a group (8 lines) at a time: into L1 2 groups ahead, into L2 7
+ * groups (3.5 KiB) ahead (a stream from memory needs more misses in flight than the hardware
+ * prefetchers keep). 4 KiB had measured 2-3 % faster than 8 KiB at M=1 with the weights on
+ * huge pages ("Decode read-ahead on huge pages"); 3.5 KiB against 4, both settings in one
+ * process: Qwen3 M=1 0.970x the time, gpt-oss-20b M=1 0.986x, Qwen3 M=4 level; 3 KiB 0.984x,
+ * 2.5 KiB 1.016x (docs/PERFORMANCE-HISTORY.md, "Shorter read-ahead for bf16 and MXFP4
+ * decode"). */
 #define CM_MXFP4_AMX_PF_L1_BYTES 1024
-#define CM_MXFP4_AMX_PF_L2_BYTES 4096
+#define CM_MXFP4_AMX_PF_L2_BYTES 3584
 /* Panels of up to this many rows go through a compact A tile (below) */
 #define CM_MXFP4_AMX_COMPACT_ROWS 4
 

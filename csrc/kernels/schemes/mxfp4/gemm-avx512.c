@@ -32,10 +32,11 @@
 #include "schemes/mxfp4/decode-avx512.h"
 
 #define MR_DECODE 4
-/* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 8 KiB ahead, one line per
- * 64 bytes (the FP8 decode kernels' distances) */
+/* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 3.5 KiB ahead, one line per
+ * 64 bytes. 3.5 KiB into L2 against the FP8 kernels' 8: Qwen3 M=1 0.972x the time
+ * (docs/PERFORMANCE-HISTORY.md, "Shorter read-ahead for bf16 and MXFP4 decode"). */
 #define CM_MXFP4_PF_L1_BYTES 1024
-#define CM_MXFP4_PF_L2_BYTES 8192
+#define CM_MXFP4_PF_L2_BYTES 3584
 
 /* the two k of a pair of bf16 VNNI-2 rows lo (columns 0..15) and hi (16..31) into the
  * tile: k even is each dword's low half, k odd its high half */

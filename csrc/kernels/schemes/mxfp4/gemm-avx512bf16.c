@@ -36,10 +36,11 @@
 #include "schemes/mxfp4/decode-avx512.h"
 
 #define MR_DECODE 4
-/* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 8 KiB ahead, one line per 64
- * bytes (the FP8 decode kernels' distances) */
+/* Read-ahead, bytes of codes: prefetcht0 1 KiB and prefetcht1 3.5 KiB ahead, one line per 64
+ * bytes. 3.5 KiB into L2 against the FP8 kernels' 8: Qwen3 M=1 0.976x the time
+ * (docs/PERFORMANCE-HISTORY.md, "Shorter read-ahead for bf16 and MXFP4 decode"). */
 #define CM_MXFP4_PF_L1_BYTES 1024
-#define CM_MXFP4_PF_L2_BYTES 8192
+#define CM_MXFP4_PF_L2_BYTES 3584
 
 /* The vpermb spread of each k pair of a 64-byte load: output byte 2w takes byte w ^ 1 of the
  * pair (the swap), output byte 2w + 1 is zeroed by the mask. */

@@ -26,10 +26,12 @@
 
 #define MR CM_TILE_MR_AVX512
 /* Decode prefetch, bytes of weights ahead: both lines of a k pair 2 KiB ahead into L1
- * (prefetcht0) and 8 KiB ahead into L2 (prefetcht1): faster at decode than 4 KiB into L1
- * only, the best single distance (docs/PERFORMANCE-HISTORY.md). */
+ * (prefetcht0) and 3.5 KiB ahead into L2 (prefetcht1): faster at decode than 4 KiB into L1
+ * only, the best single distance. Into L2, 3.5 KiB against the 8 that were here: Qwen3 bf16
+ * M=1 0.893x the time (3 KiB 0.905x), both settings in one process
+ * (docs/PERFORMANCE-HISTORY.md, "Shorter read-ahead for bf16 and MXFP4 decode"). */
 #define CM_PREFETCH_L1_BYTES 2048
-#define CM_PREFETCH_L2_BYTES 8192
+#define CM_PREFETCH_L2_BYTES 3584
 
 typedef enum { W_BF16, W_F16 } weight_kind;
 

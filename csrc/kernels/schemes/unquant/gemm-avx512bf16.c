@@ -33,10 +33,12 @@
 #include "common/ukernels.h"
 
 #define MR CM_TILE_MR_AVX512
-/* Decode prefetch: both lines of a k pair 8 KiB ahead into L2 (prefetcht1), nothing into L1:
- * faster at M=1 from DRAM than the avx512 kernel's L1 + L2 pair; 4 and 16 KiB ahead did
- * about as well (docs/PERFORMANCE-HISTORY.md). */
-#define CM_PREFETCH_L2_BYTES 8192
+/* Decode prefetch: both lines of a k pair 3.5 KiB ahead into L2 (prefetcht1), nothing into
+ * L1: faster at M=1 from DRAM than the avx512 kernel's L1 + L2 pair. Against the 8 KiB that
+ * were here, Qwen3 bf16 on the amx tier, both settings in one process: M=1 0.924-0.936x the
+ * time, M=4 0.924x; 3 KiB about as good, 2 KiB 0.966x, 4 KiB 0.986x, 1 KiB 1.011x
+ * (docs/PERFORMANCE-HISTORY.md, "Shorter read-ahead for bf16 and MXFP4 decode"). */
+#define CM_PREFETCH_L2_BYTES 3584
 
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t k,
                                                             const uint32_t *restrict a, size_t as,
