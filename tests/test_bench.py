@@ -6,6 +6,7 @@ Fast: the limit probes are shortened (the figures are not judged, only their san
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -88,6 +89,10 @@ def _check_common(doc):
     assert m["limits_by_threads"][0]["read_gbps"] == m["read_gbps"]
     assert m["limits_by_threads"][0]["bf16_peak_gops"] == m["bf16_peak_gops"]
     assert m["limits_by_threads"][0]["bf16_samples_gops"] == m["bf16_samples_gops"]
+    # the peaks again after the rows, as the bandwidth
+    assert m["fma_peak_gflops_end"] == max(m["fma_samples_gflops_end"]) > 0
+    assert m["int8_peak_gops_end"] == max(m["int8_samples_gops_end"]) > 0
+    assert m["bf16_peak_gops_end"] == max(m["bf16_samples_gops_end"]) > 0
     assert doc["settings"]["schemes"] == ["bf16", "int8"]
     assert doc["settings"]["threads"] == [1] and doc["settings"]["quick"] is False
     cases = doc["cases"]
@@ -145,6 +150,8 @@ def test_bench_json_with_baselines(tmp_path, fast_limits, capsys):
     assert i8_line.endswith("; bound of int8 rows"), i8_line
     fma_line = next(ln for ln in out.splitlines() if ln.startswith("fp32 FMA peak:"))
     assert "bound of" not in fma_line  # no fp32-FMA row in this run
+    for what in ("streaming read", "fp32 FMA peak", "u8*s8 peak", "bf16 peak"):
+        assert sum(ln.startswith(f"{what} at the end: ") for ln in out.splitlines()) == 1, what
     # the header says what each ratio column compares against
     assert "vs eager = the eager per-expert PyTorch loop" in out
     assert ("vs int8pack = a per-expert loop over torch._weight_int8pack_mm" in out) == int8pack
@@ -565,6 +572,25 @@ def test_limit_lines_name_the_bf16_peak_and_its_loop():
     assert not any(ln.startswith("bf16 peak") for ln in lines)
     assert bench_machine.peak_loop("bf16", "avx512bf16") == "fp32 FMA"
     assert bench_machine.peak_loop("u8s8", "amx") == "AMX tdpbusd"
+
+
+def test_drift_lines_flag_limits_that_moved():
+    from cpumoe.bench.report import summary_lines
+
+    assert bench_machine.drift_line("bf16 peak", 2000.0, 2150.0, "GOP/s") == (
+        "bf16 peak at the end: 2150 GOP/s (start 2000, +8%)")
+    assert bench_machine.drift_line("streaming read", 25.0, 20.0, "GB/s", 1) == (
+        "streaming read at the end: 20.0 GB/s (start 25.0, -20%)  -- the machine was noisy")
+    plan = argparse.Namespace(scaling=[])
+    limits = bench_machine.Limits(read_gbps=25.0, fma_gflops=430.0, int8_gops=13000.0)
+    end = {"fma": {"samples_gflops": [300.0, 310.0]}, "int8": _fake_probe(13000), "bf16": None}
+    lines = summary_lines(plan, [], limits, {"samples_gbps": [24.0, 25.5]}, end, None, None,
+                          1.0)
+    assert lines[:3] == [
+        "streaming read at the end: 25.5 GB/s (start 25.0, +2%)",
+        "fp32 FMA peak at the end: 310 GFLOP/s (start 430, -28%)  -- the machine was noisy",
+        "u8*s8 peak at the end: 13000 GOP/s (start 13000, +0%)"]
+    assert not any(ln.startswith("bf16 peak") for ln in lines)  # neither start nor end
 
 
 def test_bench_without_bf16_rows_leaves_the_bf16_peak_out(tmp_path, fast_limits, capsys):

@@ -41,6 +41,11 @@ def test_bench_linear_runs(tmp_path, dtype):
             else:
                 assert "disagrees" not in p, (key, r["scheme"], p)
                 assert p["skipped"]
+    end = doc["limits_end"]  # the limits again after the rows, and how far they moved
+    assert end["read_gbps"] > 0 and set(end["peaks"]) == set(doc["limits"]["peaks"])
+    assert "streaming read at the end: " in res.stdout
+    for kind in doc["limits"]["peaks"]:
+        assert f"{kind} peak at the end: " in res.stdout
     timed = {k for r in rows for k, p in r["peers"].items() if "ms" in p}
     assert "eager" in timed
     assert "WARNING" not in res.stdout

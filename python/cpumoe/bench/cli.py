@@ -24,6 +24,7 @@ from .machine import (
     cpu_busy_fraction,
     machine_info,
     measure_limits,
+    measure_peaks,
 )
 from .peers import INSTALL, PEER_GROUPS
 from .report import (
@@ -338,7 +339,7 @@ class RunPlan:
     progress bar's budget: 1 unit per case (+0.3 per scaling count), 0.5 per case for the
     capped baseline, 0.5 per thread count for the limits (+0.2 each for the u8*s8 and the
     bf16 peak, measured only when a row is judged against them), 1 per interleaved (shape,
-    pair, M), 0.25 for the bandwidth measured at the end."""
+    pair, M), 0.25 for the bandwidth and the peaks measured again at the end."""
 
     shapes: List[Shape]
     ms: List[int]
@@ -532,14 +533,16 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                                 lambda f, text: bar.update(start + done + plan.units_pairs * f,
                                                            text))
         done += plan.units_pairs
-        bar.update(start + done, "re-measuring streaming-read bandwidth", force=True)
+        bar.update(start + done, "re-measuring the streaming-read bandwidth and the peaks",
+                   force=True)
         read_end = _read_bandwidth_samples(plan.bw_bytes)
+        peaks_end = measure_peaks(plan.need_int8, need_bf16=plan.need_bf16)
         busy_after = cpu_busy_fraction()
         bar.update(start + done + 0.25)
         wall = time.perf_counter() - t_start
         console.emit()
         for line in summary_lines(plan, cases, limits_by_threads[plan.threads]["limits"],
-                                  read_end, busy_after, capped, wall):
+                                  read_end, peaks_end, busy_after, capped, wall):
             console.emit(line)
     except KeyboardInterrupt:
         bar.close()
@@ -548,7 +551,8 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
     finally:
         bar.close()
     doc = build_document(
-        info, plan, args, limits_by_threads, read_end=read_end, busy_before=busy_before,
+        info, plan, args, limits_by_threads, read_end=read_end, peaks_end=peaks_end,
+        busy_before=busy_before,
         busy_after=busy_after, capped=capped, cases=cases, interleaved=interleaved, wall=wall)
     write_outputs(doc, args, console.out)
     return 0

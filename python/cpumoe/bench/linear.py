@@ -58,6 +58,7 @@ from .machine import (
     _mem_available_bytes,
     _read_bandwidth_samples,
     build_info,
+    drift_line,
     last_level_cache_bytes,
     machine_info,
     peak_loop,
@@ -424,6 +425,11 @@ def format_table(doc: dict) -> str:
                  "cpumoe ms")
     for k, reasons in skipped.items():
         lines.append(f"{k}: not timed on some rows: {'; '.join(sorted(reasons))}")
+    end = doc.get("limits_end")
+    if end:  # rows are judged against the limits at the start; how far they moved since
+        lines.append(drift_line("streaming read", lim["read_gbps"], end["read_gbps"], "GB/s", 1))
+        lines += [drift_line(f"{k} peak", v, end["peaks"][k], "GOP/s")
+                  for k, v in lim["peaks"].items()]
     for r in doc["rows"]:  # cpumoe's own check against reference.py (exact for int8/int4)
         if not r["rel_diff_vs_reference"] <= 1e-2:
             lines.append(f"WARNING: cpumoe's {r['scheme']} M={r['M']} output differs from the "
@@ -454,9 +460,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 row["shape"] = shape
                 rows.append(row)
             del w
+    # again after the rows: on a shared host the limits drift within a run
+    end, end_samples = measure_limits(kinds, args.bw_mib << 20 if args.bw_mib else None)
     doc = dict(threads=torch.get_num_threads(), machine=machine_info(), build=build_info(),
                limits=dict(read_gbps=limits.read_gbps, peaks=limits.peaks,
-                           samples=limit_samples), peers=args.peers, rows=rows)
+                           samples=limit_samples),
+               limits_end=dict(read_gbps=end.read_gbps, peaks=end.peaks, samples=end_samples),
+               peers=args.peers, rows=rows)
     print(format_table(doc))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 import torch
 
 from .baselines import BASELINES, PEERS, _speedup_key
-from .machine import Limits, _GiB, build_info, peak_loop
+from .machine import Limits, _GiB, build_info, drift_line, peak_loop
 from .schemes import SCHEMES
 from .shapes import DTYPES
 
@@ -355,16 +355,27 @@ def _method_lines(plan: "RunPlan", dtype: str, capped: Optional[dict]) -> List[s
     return lines
 
 
+def _best_peak(samples: Optional[dict]) -> Optional[float]:
+    """The best run of a peak probe's samples (:func:`cpumoe.bench.machine.measure_peaks`)."""
+    if not samples:
+        return None
+    return max(samples.get("samples_gflops") or samples["samples_gops"])
+
+
 def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, read_end: dict,
-                  busy_after: Optional[float], capped: Optional[dict], wall: float
-                  ) -> List[str]:
-    """The lines below the table: bandwidth drift over the run, noisy cases, the largest
-    difference from each baseline, bit-identity across thread counts, the capped
-    baseline's failures, and the wall time."""
-    end_gbps = max(read_end["samples_gbps"])
-    drift = (end_gbps - limits.read_gbps) / limits.read_gbps
-    lines = [f"streaming read at the end: {end_gbps:.1f} GB/s (start {limits.read_gbps:.1f}, "
-             f"{100 * drift:+.0f}%){'  -- the machine was noisy' if abs(drift) > 0.1 else ''}"]
+                  peaks_end: dict, busy_after: Optional[float], capped: Optional[dict],
+                  wall: float) -> List[str]:
+    """The lines below the table: the drift of the bandwidth and of the peaks over the run,
+    noisy cases, the largest difference from each baseline, bit-identity across thread
+    counts, the capped baseline's failures, and the wall time."""
+    lines = [drift_line("streaming read", limits.read_gbps, max(read_end["samples_gbps"]),
+                        "GB/s", 1)]
+    for key, what, start, unit in (("fma", "fp32 FMA peak", limits.fma_gflops, "GFLOP/s"),
+                                   ("int8", "u8*s8 peak", limits.int8_gops, "GOP/s"),
+                                   ("bf16", "bf16 peak", limits.bf16_gops, "GOP/s")):
+        end = _best_peak(peaks_end.get(key))
+        if start and end:
+            lines.append(drift_line(what, start, end, unit))
     noisy = [c for c in cases if (case_others_fraction(c) or 0) > NOISY]
     if noisy:
         lines.append(f"* {len(noisy)} case(s) ran while other processes used more than "
@@ -435,7 +446,8 @@ def peer_summary_lines(cases: List[dict]) -> List[str]:
 
 
 def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[int, dict], *,
-                   read_end: dict, busy_before: Optional[float], busy_after: Optional[float],
+                   read_end: dict, peaks_end: dict, busy_before: Optional[float],
+                   busy_after: Optional[float],
                    capped: Optional[dict], cases: List[dict], interleaved: List[dict],
                    wall: float) -> dict:
     """The ``--json`` document (benchmarks/README.md lists its fields): ``machine`` (what
@@ -465,6 +477,12 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
         "bf16_peak_gops": limits.bf16_gops,
         "bf16_statistic": "best of runs" if bf else None,
         "bf16_samples_gops": bf["samples_gops"] if bf else None,
+        "fma_peak_gflops_end": _best_peak(peaks_end["fma"]),
+        "fma_samples_gflops_end": peaks_end["fma"]["samples_gflops"],
+        "int8_peak_gops_end": _best_peak(peaks_end["int8"]),
+        "int8_samples_gops_end": peaks_end["int8"]["samples_gops"] if peaks_end["int8"] else None,
+        "bf16_peak_gops_end": _best_peak(peaks_end["bf16"]),
+        "bf16_samples_gops_end": peaks_end["bf16"]["samples_gops"] if peaks_end["bf16"] else None,
         "limits_by_threads": [_limits_json(limits_by_threads[c]) for c in args.threads],
         "capped_baseline": None if capped is None else {
             "isa": capped["isa"], "onednn_isa": capped["onednn_isa"],
