@@ -211,6 +211,9 @@ typedef void (*cm_round_fn)(size_t n, float *v);
 typedef void (*cm_axpy_fn)(size_t n, float a, const float *x, float *y);
 /* y[i] = (c[i] + bias[i]) * g, or c[i] * g without bias */
 typedef void (*cm_bias_scale_fn)(size_t n, const float *c, const float *bias, float g, float *y);
+/* c[r][i] = c[r][i] * g[r] in place, for rows r < rows of n floats (row stride n): a block's
+ * rows times their own scales, bias_scale's multiply without a bias */
+typedef void (*cm_scale_rows_fn)(size_t rows, size_t n, float *c, const float *g);
 /* bias_scale_stream: the same values, with y written by streaming stores where the tier has
  * them (y 64-byte aligned, n a multiple of 16; otherwise plain stores): for an output that
  * only a later stage reads, so that writing it costs no read of its old lines. The task
@@ -325,6 +328,7 @@ typedef struct cm_elementwise_kernels {
   cm_axpy_fn axpy;
   cm_bias_scale_fn bias_scale;
   cm_bias_scale_fn bias_scale_stream;
+  cm_scale_rows_fn scale_rows;
   cm_copy_fn copy_stream;
   cm_absmax_fn absmax;
   cm_quantize_u8_fn quantize_u8;
@@ -378,6 +382,7 @@ const cm_tier_config *cm_active_config(void);
   void cm_axpy__##tier(size_t, float, const float *, float *);                             \
   void cm_bias_scale__##tier(size_t, const float *, const float *, float, float *);        \
   void cm_bias_scale_stream__##tier(size_t, const float *, const float *, float, float *); \
+  void cm_scale_rows__##tier(size_t, size_t, float *, const float *);                      \
   void cm_copy_stream__##tier(size_t, const void *, void *);                               \
   float cm_absmax__##tier(size_t, const float *, float);                                   \
   void cm_quantize_u8__##tier(size_t, const float *, float, uint8_t *);                    \

@@ -45,6 +45,7 @@
       .axpy = cm_axpy__##tier,                           \
       .bias_scale = cm_bias_scale__##tier,               \
       .bias_scale_stream = cm_bias_scale_stream__##tier, \
+      .scale_rows = cm_scale_rows__##tier,               \
       .copy_stream = cm_copy_stream__##tier,             \
       .absmax = cm_absmax__##tier,                       \
       .quantize_u8 = cm_quantize_u8__##tier,             \

@@ -151,6 +151,14 @@ void CM_TIERED(cm_bias_scale)(size_t n, const float *restrict c, const float *re
     for (size_t i = 0; i < n; i++) y[i] = c[i] * g;
 }
 
+void CM_TIERED(cm_scale_rows)(size_t rows, size_t n, float *c, const float *g) {
+  for (size_t r = 0; r < rows; r++) {
+    float *restrict cr = c + r * n;
+    const float gr = g[r];
+    for (size_t i = 0; i < n; i++) cr[i] *= gr;
+  }
+}
+
 /* Streaming stores (vmovntps, 8 floats each) on the tiers built with AVX, for 64-byte aligned
  * rows of a multiple of 16 floats; otherwise plain bias_scale (contract: common/ukernels.h).
  * The arithmetic is bias_scale's: an add, then a multiply. */

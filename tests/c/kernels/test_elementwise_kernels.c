@@ -5,6 +5,9 @@
  *     on every value class (NaN, infinities, signed zeros, ties at +-0.5 .. +-127.5, values
  *     just inside and past the clamp, huge and tiny), on random values, at every length from 0
  *     to 70 (the vector loops' tails) and with inv_scale 1, random, 0, infinity and NaN.
+ *   - scale_rows: c[r][i] * g[r] in place, the same bits as bias_scale without a bias row by
+ *     row (the INT4 path used that before), for rows 0 to 5 of every length from 0 to 70,
+ *     on the same values, with scales 1, random, 0, -0, 2^-100, infinity and NaN.
  * Its own program, linked with the core's objects by tools/build_c_tests.py: natively it runs
  * the tiers the CPU has (and says which it skipped); the emulated build runs every tier.
  * Prints one line per group of checks; exits 1 when a check failed.
@@ -32,12 +35,16 @@ typedef struct tier_kernels {
   const char *name;
   cpumoe_isa isa;
   void (*quantize_u8)(size_t n, const float *x, float inv_scale, uint8_t *q);
+  cm_scale_rows_fn scale_rows;
+  cm_bias_scale_fn bias_scale;
 } tier_kernels;
 
+#define CM_TIER_KERNELS(name, ISA, tier) \
+  {name, ISA, cm_quantize_u8__##tier, cm_scale_rows__##tier, cm_bias_scale__##tier}
 static const tier_kernels g_tiers[] = {
-    {"scalar", CPUMOE_ISA_SCALAR, cm_quantize_u8__scalar},
-    {"avx2", CPUMOE_ISA_AVX2, cm_quantize_u8__avx2},
-    {"avx512", CPUMOE_ISA_AVX512, cm_quantize_u8__avx512},
+    CM_TIER_KERNELS("scalar", CPUMOE_ISA_SCALAR, scalar),
+    CM_TIER_KERNELS("avx2", CPUMOE_ISA_AVX2, avx2),
+    CM_TIER_KERNELS("avx512", CPUMOE_ISA_AVX512, avx512),
 };
 
 /* The contract, in double where it can be: the product rounded to float as the kernel
@@ -61,9 +68,11 @@ static float rnd_float(void) { /* spread over magnitudes 2^-20 .. 2^10, either s
 
 enum { VALUES = 4096, MAX_TAIL = 70 };
 
-static void check_quantize_u8(void) {
-  static float x[VALUES];
-  static uint8_t q[VALUES + 64], want[VALUES];
+/* the inputs: every value class, every tie of the rounding and its neighbours, then random */
+static float g_values[VALUES];
+
+static void fill_values(void) {
+  float *x = g_values;
   size_t count = 0;
   const float special[] = {NAN,
                            -NAN,
@@ -92,6 +101,11 @@ static void check_quantize_u8(void) {
     x[count++] = (float)t;
   }
   while (count < VALUES) x[count++] = rnd_float();
+}
+
+static void check_quantize_u8(void) {
+  const float *x = g_values;
+  static uint8_t q[VALUES + 64], want[VALUES];
   const float scales[] = {1.0f, 0.37f, 127.0f / 3.5f, 0.0f, INFINITY, NAN};
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
@@ -122,7 +136,48 @@ static void check_quantize_u8(void) {
   }
 }
 
+/* each row of c a different window of g_values */
+static void check_scale_rows(void) {
+  const float *x = g_values;
+  enum { ROWS = 5 };
+  static float c[ROWS * MAX_TAIL], want[ROWS * MAX_TAIL];
+  const float scales[] = {1.0f, 0.37f, 0.0f, -0.0f, 0x1p-100f, INFINITY, NAN};
+  const size_t ns = sizeof scales / sizeof scales[0];
+  for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
+    const tier_kernels *tk = &g_tiers[t];
+    if (!tier_runs(tk->isa)) {
+      printf("scale_rows: %s skipped, this CPU lacks the tier\n", tk->name);
+      continue;
+    }
+    const int checks = g_checks;
+    for (size_t rows = 0; rows <= ROWS; rows++)
+      for (size_t n = 0; n <= MAX_TAIL; n++) {
+        float g[ROWS];
+        for (size_t r = 0; r < rows; r++) {
+          g[r] = scales[(rows + n + r) % ns];
+          const float *src = x + (r * 977 + n * 31) % (VALUES - MAX_TAIL);
+          memcpy(c + r * n, src, n * sizeof(float));
+          tk->bias_scale(n, src, NULL, g[r], want + r * n);
+        }
+        tk->scale_rows(rows, n, c, g);
+        int same = 1;
+        for (size_t i = 0; i < rows * n; i++) {
+          uint32_t a, b;
+          memcpy(&a, c + i, 4);
+          memcpy(&b, want + i, 4);
+          /* a NaN times a NaN scale may keep either payload: any NaN for a NaN */
+          same &= a == b || (c[i] != c[i] && want[i] != want[i]);
+        }
+        check(same, "scale_rows", tk->name, n, (float)rows);
+      }
+    printf("scale_rows: %s %d checks (rows 0..%d, lengths 0..%d, %zu scales)\n", tk->name,
+           g_checks - checks, ROWS, MAX_TAIL, ns);
+  }
+}
+
 int main(void) {
+  fill_values();
   check_quantize_u8();
+  check_scale_rows();
   return kernel_test_summary();
 }

@@ -6,8 +6,6 @@
  * group scale, so the decode path (nibbles expanded in registers) and the unpack path give
  * the same bits.
  */
-#include <string.h>
-
 #include "common/error.h"
 #include "common/int4.h"
 #include "moe/pipeline.h"
@@ -108,13 +106,14 @@ static void gemm_block_int4(const cm_run *r, const cm_block *blk, int stage, int
       }
     }
   }
-  float *cq = c, row[CM_NR];
+  /* a call per panel, in place: row by row into a buffer and back, the dense INT4 linear (q,
+   * M = 512) took 1.03-1.04x the time (docs/PERFORMANCE-HISTORY.md, "INT4's activation
+   * scales per panel") */
+  float *cq = c;
   for (int32_t q = 0; q < blk->panels; q++) {
     const cm_panel *pn = &r->panels[blk->first_panel + q];
-    for (int32_t i = 0; i < pn->rows; i++, cq += CM_NR) {
-      r->ew->bias_scale(CM_NR, cq, NULL, r->a_scale[stage - 1][pn->first + i], row);
-      memcpy(cq, row, sizeof row);
-    }
+    r->ew->scale_rows((size_t)pn->rows, CM_NR, cq, r->a_scale[stage - 1] + pn->first);
+    cq += (size_t)pn->rows * CM_NR;
   }
 }
 
