@@ -47,6 +47,13 @@ static const tier_kernels g_tiers[] = {
     CM_TIER_KERNELS("avx512", CPUMOE_ISA_AVX512, avx512),
 };
 
+/* 1 (after saying so) when this CPU cannot run the tier's kernels */
+static int tier_skipped(const tier_kernels *tk, const char *what) {
+  if (tier_runs(tk->isa)) return 0;
+  printf("%s: %s skipped, this CPU lacks the tier\n", what, tk->name);
+  return 1;
+}
+
 /* The contract, in double where it can be: the product rounded to float as the kernel
  * rounds it, then half-to-even rounding by hand (no dependence on the rounding mode). */
 static uint8_t quantize_spec(float x, float inv_scale) {
@@ -109,10 +116,7 @@ static void check_quantize_u8(void) {
   const float scales[] = {1.0f, 0.37f, 127.0f / 3.5f, 0.0f, INFINITY, NAN};
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
-    if (!tier_runs(tk->isa)) {
-      printf("quantize_u8: %s skipped, this CPU lacks the tier\n", tk->name);
-      continue;
-    }
+    if (tier_skipped(tk, "quantize_u8")) continue;
     const int checks = g_checks;
     for (size_t s = 0; s < sizeof scales / sizeof scales[0]; s++) {
       const float inv = scales[s];
@@ -145,10 +149,7 @@ static void check_scale_rows(void) {
   const size_t ns = sizeof scales / sizeof scales[0];
   for (size_t t = 0; t < sizeof g_tiers / sizeof g_tiers[0]; t++) {
     const tier_kernels *tk = &g_tiers[t];
-    if (!tier_runs(tk->isa)) {
-      printf("scale_rows: %s skipped, this CPU lacks the tier\n", tk->name);
-      continue;
-    }
+    if (tier_skipped(tk, "scale_rows")) continue;
     const int checks = g_checks;
     for (size_t rows = 0; rows <= ROWS; rows++)
       for (size_t n = 0; n <= MAX_TAIL; n++) {
