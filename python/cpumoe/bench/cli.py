@@ -21,6 +21,7 @@ from .capped import _WORKER_FLAG, _baseline_worker, run_capped_baseline
 from .machine import (
     MAX_WEIGHT_LAYERS,
     _read_bandwidth_samples,
+    best_limits,
     cpu_busy_fraction,
     machine_info,
     measure_limits,
@@ -537,12 +538,13 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
                    force=True)
         read_end = _read_bandwidth_samples(plan.bw_bytes)
         peaks_end = measure_peaks(plan.need_int8, need_bf16=plan.need_bf16)
+        limits_end = best_limits(read_end, peaks_end)
         busy_after = cpu_busy_fraction()
         bar.update(start + done + 0.25)
         wall = time.perf_counter() - t_start
         console.emit()
         for line in summary_lines(plan, cases, limits_by_threads[plan.threads]["limits"],
-                                  read_end, peaks_end, busy_after, capped, wall):
+                                  limits_end, busy_after, capped, wall):
             console.emit(line)
     except KeyboardInterrupt:
         bar.close()
@@ -552,7 +554,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         bar.close()
     doc = build_document(
         info, plan, args, limits_by_threads, read_end=read_end, peaks_end=peaks_end,
-        busy_before=busy_before,
+        limits_end=limits_end, busy_before=busy_before,
         busy_after=busy_after, capped=capped, cases=cases, interleaved=interleaved, wall=wall)
     write_outputs(doc, args, console.out)
     return 0

@@ -376,11 +376,17 @@ def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None, *,
     ``limits``, a :class:`Limits` of the best runs."""
     bw = _read_bandwidth_samples(buffer_bytes)
     peaks = measure_peaks(need_int8, need_bf16=need_bf16)
-    fma, i8, bf = peaks["fma"], peaks["int8"], peaks["bf16"]
     return {"threads": torch.get_num_threads(), "read": bw, **peaks,
-            "limits": Limits(max(bw["samples_gbps"]), max(fma["samples_gflops"]),
-                             max(i8["samples_gops"]) if i8 else None,
-                             max(bf["samples_gops"]) if bf else None)}
+            "limits": best_limits(bw, peaks)}
+
+
+def best_limits(read: dict, peaks: dict) -> Limits:
+    """The :class:`Limits` of the best runs of a read probe's samples and of
+    :func:`measure_peaks`' (a peak not measured stays None)."""
+    fma, i8, bf = peaks["fma"], peaks["int8"], peaks["bf16"]
+    return Limits(max(read["samples_gbps"]), max(fma["samples_gflops"]),
+                  max(i8["samples_gops"]) if i8 else None,
+                  max(bf["samples_gops"]) if bf else None)
 
 
 def measure_peaks(need_int8: bool, *, need_bf16: bool = False) -> dict:
@@ -392,16 +398,16 @@ def measure_peaks(need_int8: bool, *, need_bf16: bool = False) -> dict:
             "bf16": _bf16_peak_samples() if need_bf16 else None}
 
 
+# A limit that moved by more than this between a run's start and its end marks the run noisy.
+NOISY_DRIFT = 0.1
+
+
 def drift_line(what: str, start: float, end: float, unit: str, digits: int = 0) -> str:
     """``<what> at the end: <end> <unit> (start <start>, <change>%)``, flagged when the
     limit moved by more than :data:`NOISY_DRIFT` between the start and the end of a run."""
     drift = (end - start) / start
     return (f"{what} at the end: {end:.{digits}f} {unit} (start {start:.{digits}f}, "
             f"{100 * drift:+.0f}%){'  -- the machine was noisy' if abs(drift) > NOISY_DRIFT else ''}")
-
-
-# A limit that moved by more than this between a run's start and its end marks the run noisy.
-NOISY_DRIFT = 0.1
 
 
 UNKNOWN = "unknown"

@@ -355,25 +355,18 @@ def _method_lines(plan: "RunPlan", dtype: str, capped: Optional[dict]) -> List[s
     return lines
 
 
-def _best_peak(samples: Optional[dict]) -> Optional[float]:
-    """The best run of a peak probe's samples (:func:`cpumoe.bench.machine.measure_peaks`)."""
-    if not samples:
-        return None
-    return max(samples.get("samples_gflops") or samples["samples_gops"])
-
-
-def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, read_end: dict,
-                  peaks_end: dict, busy_after: Optional[float], capped: Optional[dict],
-                  wall: float) -> List[str]:
-    """The lines below the table: the drift of the bandwidth and of the peaks over the run,
-    noisy cases, the largest difference from each baseline, bit-identity across thread
-    counts, the capped baseline's failures, and the wall time."""
-    lines = [drift_line("streaming read", limits.read_gbps, max(read_end["samples_gbps"]),
-                        "GB/s", 1)]
-    for key, what, start, unit in (("fma", "fp32 FMA peak", limits.fma_gflops, "GFLOP/s"),
-                                   ("int8", "u8*s8 peak", limits.int8_gops, "GOP/s"),
-                                   ("bf16", "bf16 peak", limits.bf16_gops, "GOP/s")):
-        end = _best_peak(peaks_end.get(key))
+def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, limits_end: Limits,
+                  busy_after: Optional[float], capped: Optional[dict], wall: float
+                  ) -> List[str]:
+    """The lines below the table: the drift of the bandwidth and of the peaks over the run
+    (``limits`` at its start, ``limits_end`` after its rows), noisy cases, the largest
+    difference from each baseline, bit-identity across thread counts, the capped baseline's
+    failures, and the wall time."""
+    lines = [drift_line("streaming read", limits.read_gbps, limits_end.read_gbps, "GB/s", 1)]
+    for what, field, unit in (("fp32 FMA peak", "fma_gflops", "GFLOP/s"),
+                              ("u8*s8 peak", "int8_gops", "GOP/s"),
+                              ("bf16 peak", "bf16_gops", "GOP/s")):
+        start, end = getattr(limits, field), getattr(limits_end, field)
         if start and end:
             lines.append(drift_line(what, start, end, unit))
     noisy = [c for c in cases if (case_others_fraction(c) or 0) > NOISY]
@@ -446,7 +439,8 @@ def peer_summary_lines(cases: List[dict]) -> List[str]:
 
 
 def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[int, dict], *,
-                   read_end: dict, peaks_end: dict, busy_before: Optional[float],
+                   read_end: dict, peaks_end: dict, limits_end: Limits,
+                   busy_before: Optional[float],
                    busy_after: Optional[float],
                    capped: Optional[dict], cases: List[dict], interleaved: List[dict],
                    wall: float) -> dict:
@@ -457,10 +451,11 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
     main = limits_by_threads[plan.threads]
     limits, bw0, fma, i8 = main["limits"], main["read"], main["fma"], main["int8"]
     bf = main.get("bf16")
+    end = limits_end  # the best runs of read_end's and peaks_end's samples
     machine = dict(info)
     machine.update({
         "read_gbps": limits.read_gbps,
-        "read_gbps_end": max(read_end["samples_gbps"]),
+        "read_gbps_end": end.read_gbps,
         "read_statistic": "best of runs",
         "read_samples_gbps": bw0["samples_gbps"],
         "read_samples_gbps_end": read_end["samples_gbps"],
@@ -477,11 +472,11 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
         "bf16_peak_gops": limits.bf16_gops,
         "bf16_statistic": "best of runs" if bf else None,
         "bf16_samples_gops": bf["samples_gops"] if bf else None,
-        "fma_peak_gflops_end": _best_peak(peaks_end["fma"]),
+        "fma_peak_gflops_end": end.fma_gflops,
         "fma_samples_gflops_end": peaks_end["fma"]["samples_gflops"],
-        "int8_peak_gops_end": _best_peak(peaks_end["int8"]),
+        "int8_peak_gops_end": end.int8_gops,
         "int8_samples_gops_end": peaks_end["int8"]["samples_gops"] if peaks_end["int8"] else None,
-        "bf16_peak_gops_end": _best_peak(peaks_end["bf16"]),
+        "bf16_peak_gops_end": end.bf16_gops,
         "bf16_samples_gops_end": peaks_end["bf16"]["samples_gops"] if peaks_end["bf16"] else None,
         "limits_by_threads": [_limits_json(limits_by_threads[c]) for c in args.threads],
         "capped_baseline": None if capped is None else {
