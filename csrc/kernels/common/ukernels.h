@@ -289,7 +289,8 @@ typedef struct cm_gemm_config {
   /* Blocks of up to this many rows take the scheme's decode kernel (weights expanded in
    * registers, read once, or a vector kernel where a tile kernel would waste its rows),
    * their panels packed in decode_a_format; larger ones take the main kernels. 0: no
-   * decode kernel. Not above the decode kernel's own tile rows. */
+   * decode kernel. Not above the decode kernel's own tile rows, except for INT4, whose
+   * decode kernels the scheme calls panel by panel (a tier may send every block there). */
   size_t decode_max_rows;
   cm_panel_format decode_a_format;
   /* How the unquantized and INT8 schemes walk a block of several panels. A block of up to

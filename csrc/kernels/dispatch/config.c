@@ -29,6 +29,8 @@
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
  * accumulators beside the weights they expand in registers. */
 #define CM_DECODE_MAX_ROWS 4
+/* decode_max_rows that sends every block to the decode kernel (INT4 only: see cm_gemm_config) */
+#define CM_DECODE_EVERY_BLOCK SIZE_MAX
 
 #define CM_ELEMENTWISE_KERNELS(tier)                     \
   ((cm_elementwise_kernels){                             \
@@ -149,11 +151,17 @@ static void cm_config_init__scalar(cm_tier_config *c) {
        g < &(c)->gemm[0][0] + CM_SCHEME_COUNT * CM_ACT_DTYPE_COUNT; g++)
 
 /* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
- * 2 rows in 16 ymm, INT8 up to 2 rows (8 int32 accumulators for 1, 4 per row for 2), INT4 12
- * accumulators for 1 row. */
+ * 2 rows in 16 ymm, INT8 up to 2 rows (8 int32 accumulators for 1, 4 per row for 2). INT4's
+ * kernel (12 accumulators for 1 row) takes every block, a panel at a time and its rows one
+ * after another: its vpmaddubsw on nibbles (exact: a pair sums to at most 2 x 15 x 128) does
+ * twice the products per instruction of the widening vpmaddwd the unpack path's u8 x s8 tile
+ * needs for full-range int8, and the nibbles it reads again per row come from L1. Qwen3 on the
+ * AMX Xeon capped to avx2, paired A/Bs against blocks of 1 row: M = 4 0.906, M = 16 0.737
+ * (2 rows) and 0.888 more (4 rows), M = 64 0.695 more (every block against 4 rows), M = 512
+ * 0.539 (docs/PERFORMANCE-HISTORY.md, "INT4 on avx2: every block on the decode kernel"). */
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
-#define CM_AVX2_INT4_DECODE_ROWS 1
+#define CM_AVX2_INT4_DECODE_ROWS CM_DECODE_EVERY_BLOCK
 #define CM_AVX2_FP8_DECODE_ROWS 2   /* 4 accumulators a row beside the decoded weights */
 #define CM_AVX2_MXFP4_DECODE_ROWS 2 /* 4 accumulators per row for the 32 columns in one pass */
 /* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
@@ -180,6 +188,8 @@ static void cm_config_init__avx2(cm_tier_config *c) {
   }
 }
 
+#define CM_AVX2VNNI_INT4_DECODE_ROWS 1
+
 /* AVX-VNNI (AVX2 CPUs with the VEX vpdpbusd): INT8 and INT4 sum u8 x s8 products straight
  * into int32 lanes, one instruction per 4 products where avx2 needs a widening multiply and
  * an add per 2; the same exact integers, so avx2's bits. Everything else is avx2's. */
@@ -193,6 +203,9 @@ static void cm_config_init__avx2vnni(cm_tier_config *c) {
     cm_int4_kernels *int4 = &c->gemm[CM_INT4][act].kernels.int4;
     int4->gemm_u8s8 = cm_u8s8_gemm_s32acc_mrx32__avx2vnni;
     int4->gemm_decode = cm_int4_gemm_decode_1x32__avx2vnni;
+    /* with vpdpbusd the unpack path's 6 x 16 tile wins from a few rows on (Qwen3 against
+     * every block on the decode kernel: M = 16 about even, 1.05; M = 512 1.9x faster) */
+    c->gemm[CM_INT4][act].decode_max_rows = CM_AVX2VNNI_INT4_DECODE_ROWS;
   }
 }
 
@@ -365,7 +378,10 @@ static void build_state(cm_dispatch_state *st) {
     /* test builds check each row against what the pipeline and the packed layouts assume */
     CM_FOR_EACH_GEMM(c, g) {
       CM_EXPECT(g->nr == CM_NR && g->mr >= 1 && g->mr <= CM_MR_MAX);
-      CM_EXPECT((g->kr == 2 || g->kr == 4) && g->decode_max_rows <= g->mr);
+      CM_EXPECT(g->kr == 2 || g->kr == 4);
+      /* INT4's decode kernels run a block panel by panel, so any block may take them */
+      const ptrdiff_t scheme = (g - &c->gemm[0][0]) / CM_ACT_DTYPE_COUNT;
+      CM_EXPECT(g->decode_max_rows <= g->mr || scheme == CM_INT4);
       CM_EXPECT(g->block_rows_max == 0 || g->block_rows_max > g->mr);
       CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT && g->decode_a_format < CM_PANEL_FORMAT_COUNT);
     }

@@ -1,5 +1,6 @@
 /*
- * The INT4 decode GEMM of one row on 256-bit vectors (contract: cm_gemm_int4_fn, common/
+ * The INT4 decode GEMM of one row on 256-bit vectors, which the tiers' kernels run for each
+ * row of a panel (contract: cm_gemm_int4_fn, common/
  * ukernels.h; layout: common/int4.h), written once for the tiers that differ only in how a
  * block's integer sums are formed: avx2 (vpmaddubsw into int16, int4/gemm-avx2.c) and
  * avx2vnni (vpdpbusd into int32, int4/gemm-avx2vnni.c). Include only from files compiled

@@ -1,16 +1,18 @@
 /*
  * AVX2 micro-kernels for INT4 W4A8 (contracts: common/ukernels.h, layout: common/int4.h):
- * the decode-path GEMM of one row that expands nibbles in registers, the unpacking of packed
- * blocks into s8 VNNI-4 tiles of w - zero for the prefill path, and the per-block fold of the
- * exact int32 sums into the fp32 tile. The prefill path's integer GEMM is the INT8 tier's
- * (schemes/int8/gemm-avx2.c, exact int16 widening).
+ * the decode-path GEMM that expands nibbles in registers, a panel's rows one after another,
+ * the unpacking of packed blocks into s8 VNNI-4 tiles of w - zero for the prefill path, and
+ * the per-block fold of the exact int32 sums into the fp32 tile. The prefill path's integer
+ * GEMM is the INT8 tier's (schemes/int8/gemm-avx2.c, exact int16 widening); on avx2 every
+ * block takes the decode path instead (dispatch/config.c: twice the products per instruction,
+ * the nibbles read again per row from L1), on avx2vnni the prefill path's vpdpbusd tile.
  *
  * Unpacking: the first 32 bytes of a packed k-quad are dword lanes 0..7, whose low nibbles
  * are columns 0..7 and high nibbles columns 8..15; the next 32 bytes give columns 16..23
  * and 24..31. So each ymm splits into two natural 32-byte runs of the VNNI-4 tile, with no
  * lane shuffle: low = v & 15, high = (v >> 4) & 15, each minus its columns' zero points.
  *
- * Decode (blocks of one row; the weights stream once and are the whole cost): the nibbles
+ * Decode (one row at a time; at decode the weights stream once and are the whole cost): the nibbles
  * are vpmaddubsw's unsigned operand as they are and the activations q = (q + 128) ^ 0x80 its
  * signed one, so each int16 lane is w0 q0 + w1 q1 with |.| <= 2 * 15 * 128 = 3840, exact and
  * never saturated. CM_INT4_I16_QUADS = 8 k-quads add up in int16 (|.| <= 30720 < 2^15)
@@ -72,9 +74,10 @@ static inline __attribute__((always_inline)) void block_sums_maddubs(const uint8
 void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
                                     const uint8_t *a, size_t as, const int32_t *q_sums, float *c,
                                     int accumulate) {
-  CM_EXPECT(mr == 1);
-  (void)mr;
-  CM_INT4_DECODE_1X32_AVX2(block_sums_maddubs, w, kb0, nb, a, as, q_sums, c, accumulate);
+  CM_EXPECT(mr >= 1 && mr <= CM_TILE_MR_AVX2);
+  for (size_t r = 0; r < mr; r++)
+    CM_INT4_DECODE_1X32_AVX2(block_sums_maddubs, w, kb0, nb, a + 4 * r, as, q_sums + r,
+                             c + r * CM_NR, accumulate);
 }
 
 void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {

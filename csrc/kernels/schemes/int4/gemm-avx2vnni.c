@@ -1,7 +1,8 @@
 /*
  * AVX-VNNI kernel for INT4 W4A8 (contracts: common/ukernels.h, layout: common/int4.h): the
- * decode-path GEMM of one row, nibbles expanded in registers. The prefill path's integer GEMM
- * is the INT8 tier's (int8/gemm-avx2vnni.c); unpacking and the per-block fold stay avx2's.
+ * decode-path GEMM, nibbles expanded in registers, a panel's rows one after another. The prefill
+ * path's integer GEMM is the INT8 tier's (int8/gemm-avx2vnni.c); unpacking and the per-block fold
+ * stay avx2's.
  *
  * A block's sums: the low and high nibbles of a packed k-quad's two 32-byte halves are, per
  * dword lane, 4 k of one column (columns 0-7, 8-15, 16-23, 24-31: int4/gemm-avx2.c), so each
@@ -45,7 +46,8 @@ static inline __attribute__((always_inline)) void block_sums_dpbusd(const uint8_
 void cm_int4_gemm_decode_1x32__avx2vnni(size_t mr, const cm_int4_tile *w, size_t kb0, size_t nb,
                                         const uint8_t *a, size_t as, const int32_t *q_sums,
                                         float *c, int accumulate) {
-  CM_EXPECT(mr == 1);
-  (void)mr;
-  CM_INT4_DECODE_1X32_AVX2(block_sums_dpbusd, w, kb0, nb, a, as, q_sums, c, accumulate);
+  CM_EXPECT(mr >= 1 && mr <= CM_TILE_MR_AVX2VNNI);
+  for (size_t r = 0; r < mr; r++)
+    CM_INT4_DECODE_1X32_AVX2(block_sums_dpbusd, w, kb0, nb, a + 4 * r, as, q_sums + r,
+                             c + r * CM_NR, accumulate);
 }
