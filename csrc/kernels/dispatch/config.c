@@ -380,8 +380,8 @@ static void build_state(cm_dispatch_state *st) {
       CM_EXPECT(g->nr == CM_NR && g->mr >= 1 && g->mr <= CM_MR_MAX);
       CM_EXPECT(g->kr == 2 || g->kr == 4);
       /* INT4's decode kernels run a block panel by panel, so any block may take them */
-      const ptrdiff_t scheme = (g - &c->gemm[0][0]) / CM_ACT_DTYPE_COUNT;
-      CM_EXPECT(g->decode_max_rows <= g->mr || scheme == CM_INT4);
+      CM_EXPECT(g->decode_max_rows <= g->mr ||
+                (g - &c->gemm[0][0]) / CM_ACT_DTYPE_COUNT == CM_INT4);
       CM_EXPECT(g->block_rows_max == 0 || g->block_rows_max > g->mr);
       CM_EXPECT(g->a_format < CM_PANEL_FORMAT_COUNT && g->decode_a_format < CM_PANEL_FORMAT_COUNT);
     }

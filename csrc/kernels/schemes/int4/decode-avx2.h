@@ -1,6 +1,6 @@
 /*
- * The INT4 decode GEMM of one row on 256-bit vectors, which the tiers' kernels run for each
- * row of a panel (contract: cm_gemm_int4_fn, common/
+ * The INT4 decode GEMM of one or two rows on 256-bit vectors, which the tiers' kernels run
+ * over a panel's rows, two at a time (contract: cm_gemm_int4_fn, common/
  * ukernels.h; layout: common/int4.h), written once for the tiers that differ only in how a
  * block's integer sums are formed: avx2 (vpmaddubsw into int16, int4/gemm-avx2.c) and
  * avx2vnni (vpdpbusd into int32, int4/gemm-avx2vnni.c). Include only from files compiled
@@ -45,38 +45,59 @@ static inline __attribute__((always_inline)) void cm_int4_readahead_quad(
   _mm_prefetch((const char *)(block + ra->l2_bytes + kq * 64), _MM_HINT_T1);
 }
 
-/* The body of a cm_gemm_int4_fn for mr = 1, with block_sums(block, quads, ab, as, &ra,
- * sum32) adding one block's sums into sum32[4] (a static always_inline function). */
-#define CM_INT4_DECODE_1X32_AVX2(block_sums, w, kb0, nb, a, as, q_sums, c, accumulate)             \
-  do {                                                                                             \
-    const size_t bk_ = (w)->bk, block_bytes_ = cm_int4_block_bytes(bk_);                           \
-    const cm_int4_readahead ra_ = {                                                                \
-        cm_int4_blocks_covering(CM_DECODE_PF_L1_BYTES_AVX2, bk_) * block_bytes_,                   \
-        cm_int4_blocks_covering(CM_DECODE_PF_L2_BYTES_AVX2, bk_) * block_bytes_};                  \
-    __m256 out_[4];                                                                                \
-    for (int j = 0; j < 4; j++)                                                                    \
-      out_[j] = (accumulate) ? _mm256_loadu_ps((c) + 8 * j) : _mm256_setzero_ps();                 \
-    size_t group_, group_left_;                                                                    \
-    cm_int4_group_of_block((kb0), (w)->group_blocks, &group_, &group_left_);                       \
-    for (size_t b_ = 0; b_ < (nb); b_++) {                                                         \
-      const uint8_t *block_ = (w)->blocks + ((kb0) + b_) * block_bytes_;                           \
-      cm_int4_prefetch_group_meta((w), group_, CM_INT4_META_GROUPS_AHEAD);                         \
-      __m256i sum32_[4];                                                                           \
-      for (int j = 0; j < 4; j++) sum32_[j] = _mm256_setzero_si256();                              \
-      block_sums(block_, bk_ / 4, (a) + b_ * bk_ * (as), (as), &ra_, sum32_);                      \
-      /* sum q (w - zero) = sum q w - zero sum q, then one fmaf per column */                      \
-      const int8_t *zero_ = (w)->zeros + group_ * CM_NR;                                           \
-      const float *scale_ = (w)->scales + group_ * CM_NR;                                          \
-      const __m256i q_sum_ = _mm256_set1_epi32((q_sums)[b_ * (as)]);                               \
-      for (int j = 0; j < 4; j++) {                                                                \
-        const __m256i exact_ = _mm256_sub_epi32(                                                   \
-            sum32_[j], _mm256_mullo_epi32(cm_int4_zero_ints__avx2(zero_ + 8 * j), q_sum_));        \
-        out_[j] =                                                                                  \
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact_), _mm256_loadu_ps(scale_ + 8 * j), out_[j]); \
-      }                                                                                            \
-      if (--group_left_ == 0) group_++, group_left_ = (w)->group_blocks;                           \
-    }                                                                                              \
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps((c) + 8 * j, out_[j]);                            \
+/* The body of a cm_gemm_int4_fn for `rows` (1 or 2, a constant) rows from a, q_sums and c,
+ * with block_sums(rows, block, quads, ab, as, &ra, sum32) adding one block's sums of each row
+ * into sum32[rows][4] (a static always_inline function). */
+#define CM_INT4_DECODE_ROWS_AVX2(rows, block_sums, w, kb0, nb, a, as, q_sums, c, accumulate)    \
+  do {                                                                                          \
+    const size_t bk_ = (w)->bk, block_bytes_ = cm_int4_block_bytes(bk_);                        \
+    const cm_int4_readahead ra_ = {                                                             \
+        cm_int4_blocks_covering(CM_DECODE_PF_L1_BYTES_AVX2, bk_) * block_bytes_,                \
+        cm_int4_blocks_covering(CM_DECODE_PF_L2_BYTES_AVX2, bk_) * block_bytes_};               \
+    __m256 out_[rows][4];                                                                       \
+    for (int r_ = 0; r_ < (rows); r_++)                                                         \
+      for (int j_ = 0; j_ < 4; j_++)                                                            \
+        out_[r_][j_] =                                                                          \
+            (accumulate) ? _mm256_loadu_ps((c) + r_ * CM_NR + 8 * j_) : _mm256_setzero_ps();    \
+    size_t group_, group_left_;                                                                 \
+    cm_int4_group_of_block((kb0), (w)->group_blocks, &group_, &group_left_);                    \
+    for (size_t b_ = 0; b_ < (nb); b_++) {                                                      \
+      const uint8_t *block_ = (w)->blocks + ((kb0) + b_) * block_bytes_;                        \
+      cm_int4_prefetch_group_meta((w), group_, CM_INT4_META_GROUPS_AHEAD);                      \
+      __m256i sum32_[rows][4];                                                                  \
+      for (int r_ = 0; r_ < (rows); r_++)                                                       \
+        for (int j_ = 0; j_ < 4; j_++) sum32_[r_][j_] = _mm256_setzero_si256();                 \
+      block_sums((rows), block_, bk_ / 4, (a) + b_ * bk_ * (as), (as), &ra_, sum32_);           \
+      /* sum q (w - zero) = sum q w - zero sum q, then one fmaf per column */                   \
+      const int8_t *zero_ = (w)->zeros + group_ * CM_NR;                                        \
+      const float *scale_ = (w)->scales + group_ * CM_NR;                                       \
+      for (int r_ = 0; r_ < (rows); r_++) {                                                     \
+        const __m256i q_sum_ = _mm256_set1_epi32((q_sums)[b_ * (as) + r_]);                     \
+        for (int j_ = 0; j_ < 4; j_++) {                                                        \
+          const __m256i exact_ = _mm256_sub_epi32(                                              \
+              sum32_[r_][j_],                                                                   \
+              _mm256_mullo_epi32(cm_int4_zero_ints__avx2(zero_ + 8 * j_), q_sum_));             \
+          out_[r_][j_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact_),                            \
+                                         _mm256_loadu_ps(scale_ + 8 * j_), out_[r_][j_]);       \
+        }                                                                                       \
+      }                                                                                         \
+      if (--group_left_ == 0) group_++, group_left_ = (w)->group_blocks;                        \
+    }                                                                                           \
+    for (int r_ = 0; r_ < (rows); r_++)                                                         \
+      for (int j_ = 0; j_ < 4; j_++) _mm256_storeu_ps((c) + r_ * CM_NR + 8 * j_, out_[r_][j_]); \
+  } while (0)
+
+/* A panel of mr rows, two at a time (the block sums share each load and nibble split) and the
+ * last alone when mr is odd: the body of the tiers' cm_gemm_int4_fn. */
+#define CM_INT4_DECODE_PANEL_AVX2(block_sums, mr, w, kb0, nb, a, as, q_sums, c, accumulate)  \
+  do {                                                                                       \
+    size_t r0_ = 0;                                                                          \
+    for (; r0_ + 2 <= (mr); r0_ += 2)                                                        \
+      CM_INT4_DECODE_ROWS_AVX2(2, block_sums, w, kb0, nb, (a) + 4 * r0_, as, (q_sums) + r0_, \
+                               (c) + r0_ * CM_NR, accumulate);                               \
+    if (r0_ < (mr))                                                                          \
+      CM_INT4_DECODE_ROWS_AVX2(1, block_sums, w, kb0, nb, (a) + 4 * r0_, as, (q_sums) + r0_, \
+                               (c) + r0_ * CM_NR, accumulate);                               \
   } while (0)
 
 #endif /* CPUMOE_SCHEMES_INT4_DECODE_AVX2_H */

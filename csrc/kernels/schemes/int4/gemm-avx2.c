@@ -1,6 +1,6 @@
 /*
  * AVX2 micro-kernels for INT4 W4A8 (contracts: common/ukernels.h, layout: common/int4.h):
- * the decode-path GEMM that expands nibbles in registers, a panel's rows one after another,
+ * the decode-path GEMM that expands nibbles in registers, a panel's rows two at a time,
  * the unpacking of packed blocks into s8 VNNI-4 tiles of w - zero for the prefill path, and
  * the per-block fold of the exact int32 sums into the fp32 tile. The prefill path's integer
  * GEMM is the INT8 tier's (schemes/int8/gemm-avx2.c, exact int16 widening); on avx2 every
@@ -21,8 +21,12 @@
  * The loop around these block sums is int4/decode-avx2.h's: the zero points come in once per
  * block as zero x sum q with the row's block sums (moe/
  * panels.c), then one fmaf per column with the group scale: the exact block sum and the same
- * fold as the unpack path and the avx512 decode, so the same bits. Registers: 4 int16,
- * 4 int32 and 4 fp32 accumulators (columns 0-7 ... 24-31) + 4 temporaries = 16 ymm.
+ * fold as the unpack path and the avx512 decode, so the same bits. Registers, one row: 4 int16,
+ * 4 int32 and 4 fp32 accumulators (columns 0-7 ... 24-31) + 4 temporaries = 16 ymm. Two rows
+ * share each load and nibble split (about a fifth fewer ops per row): 8 int16 accumulators, 2
+ * activations, the split and the masks stay in registers, while the int32 sums (touched every
+ * 8 k-quads) and the fp32 outputs (every block) go to the stack. Against one row at a time:
+ * Qwen3 M = 512 on avx2 0.794 (docs/PERFORMANCE-HISTORY.md).
  */
 #include <immintrin.h>
 #include <string.h>
@@ -42,32 +46,38 @@ static inline __m256i zero_dwords(const int8_t *zero) {
 
 /* One block's sum q w per column (decode-avx2.h): vpmaddubsw into int16 for up to
  * CM_INT4_I16_QUADS k-quads at a time, then vpmaddwd with ones into int32. */
-static inline __attribute__((always_inline)) void block_sums_maddubs(const uint8_t *block,
-                                                                     size_t quads,
-                                                                     const uint8_t *ab, size_t as,
-                                                                     const cm_int4_readahead *ra,
-                                                                     __m256i sum32[4]) {
+static inline __attribute__((always_inline)) void block_sums_maddubs(
+    const int rows, const uint8_t *block, size_t quads, const uint8_t *ab, size_t as,
+    const cm_int4_readahead *ra, __m256i sum32[][4]) {
   const __m256i low_nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i flip_sign = _mm256_set1_epi8((char)0x80); /* q + 128 -> q */
   for (size_t kq0 = 0; kq0 < quads; kq0 += CM_INT4_I16_QUADS) {
     const size_t kq1 = kq0 + CM_INT4_I16_QUADS < quads ? kq0 + CM_INT4_I16_QUADS : quads;
-    __m256i sum16[4];
-    for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
+    __m256i sum16[2][4];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < 4; j++) sum16[r][j] = _mm256_setzero_si256();
     for (size_t kq = kq0; kq < kq1; kq++) {
       cm_int4_readahead_quad(ra, block, kq);
-      int32_t q4;
-      memcpy(&q4, ab + kq * as * 4, 4);
-      const __m256i x = _mm256_xor_si256(_mm256_set1_epi32(q4), flip_sign);
+      __m256i x[2];
+      for (int r = 0; r < rows; r++) {
+        int32_t q4;
+        memcpy(&q4, ab + (kq * as + (size_t)r) * 4, 4);
+        x[r] = _mm256_xor_si256(_mm256_set1_epi32(q4), flip_sign);
+      }
       for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(block + kq * 64 + 32 * h));
         const __m256i lo = _mm256_and_si256(v, low_nibbles);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-        sum16[2 * h] = _mm256_add_epi16(sum16[2 * h], _mm256_maddubs_epi16(lo, x));
-        sum16[2 * h + 1] = _mm256_add_epi16(sum16[2 * h + 1], _mm256_maddubs_epi16(hi, x));
+        for (int r = 0; r < rows; r++) {
+          sum16[r][2 * h] = _mm256_add_epi16(sum16[r][2 * h], _mm256_maddubs_epi16(lo, x[r]));
+          sum16[r][2 * h + 1] =
+              _mm256_add_epi16(sum16[r][2 * h + 1], _mm256_maddubs_epi16(hi, x[r]));
+        }
       }
     }
-    for (int j = 0; j < 4; j++)
-      sum32[j] = _mm256_add_epi32(sum32[j], _mm256_madd_epi16(sum16[j], ones));
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < 4; j++)
+        sum32[r][j] = _mm256_add_epi32(sum32[r][j], _mm256_madd_epi16(sum16[r][j], ones));
   }
 }
 
@@ -75,9 +85,7 @@ void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0
                                     const uint8_t *a, size_t as, const int32_t *q_sums, float *c,
                                     int accumulate) {
   CM_EXPECT(mr >= 1 && mr <= CM_TILE_MR_AVX2);
-  for (size_t r = 0; r < mr; r++)
-    CM_INT4_DECODE_1X32_AVX2(block_sums_maddubs, w, kb0, nb, a + 4 * r, as, q_sums + r,
-                             c + r * CM_NR, accumulate);
+  CM_INT4_DECODE_PANEL_AVX2(block_sums_maddubs, mr, w, kb0, nb, a, as, q_sums, c, accumulate);
 }
 
 void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {
