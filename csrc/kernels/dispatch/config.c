@@ -152,10 +152,11 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 
 /* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
  * 2 rows in 16 ymm, INT8 up to 2 rows (8 int32 accumulators for 1, 4 per row for 2). INT4's
- * kernel (12 accumulators for 1 row) takes every block, a panel at a time and its rows one
- * after another: its vpmaddubsw on nibbles (exact: a pair sums to at most 2 x 15 x 128) does
- * twice the products per instruction of the widening vpmaddwd the unpack path's u8 x s8 tile
- * needs for full-range int8, and the nibbles it reads again per row come from L1. Qwen3 on the
+ * kernel takes every block, a panel at a time and its rows two at a time (int4/gemm-avx2.c):
+ * its vpmaddubsw on nibbles (exact: a pair sums to at most 2 x 15 x 128) does twice the
+ * products per instruction of the widening vpmaddwd the unpack path's u8 x s8 tile needs for
+ * full-range int8, and the nibbles it reads again per row pair come from L1. Measured with
+ * rows one at a time (the pairs came after), Qwen3 on the
  * AMX Xeon capped to avx2, paired A/Bs against blocks of 1 row: M = 4 0.906, M = 16 0.737
  * (2 rows) and 0.888 more (4 rows), M = 64 0.695 more (every block against 4 rows), M = 512
  * 0.539 (docs/PERFORMANCE-HISTORY.md, "INT4 on avx2: every block on the decode kernel"). */
