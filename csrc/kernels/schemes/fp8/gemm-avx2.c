@@ -159,18 +159,22 @@ CM_INLINE int decode_body(const int mr, const int exact, size_t kc, const float 
   return 1;
 }
 
+/* the fast pass; a NaN code in the block (never in a checkpoint's weights) costs a second,
+ * exact one */
+CM_INLINE void decode_rows(const int mr, size_t kc, const float *a, size_t as, const uint8_t *b,
+                           const float *scale, float *c, int accumulate) {
+  if (!decode_body(mr, 0, kc, a, as, b, scale, c, accumulate))
+    decode_body(mr, 1, kc, a, as, b, scale, c, accumulate);
+}
+
 void cm_fp8_gemm_decode_mrx32__avx2(size_t mr, size_t kc, const void *a, size_t as,
                                     const uint8_t *b, const float *scale, float *c,
                                     int accumulate) {
   CM_EXPECT((mr == 1 || mr == 2) && kc % 2 == 0 && as >= mr);
-  const float *x = (const float *)a;
-  /* a NaN code in the block (never in a checkpoint's weights) costs a second, exact pass */
-  if (mr == 1) {
-    if (!decode_body(1, 0, kc, x, as, b, scale, c, accumulate))
-      decode_body(1, 1, kc, x, as, b, scale, c, accumulate);
-  } else if (!decode_body(2, 0, kc, x, as, b, scale, c, accumulate)) {
-    decode_body(2, 1, kc, x, as, b, scale, c, accumulate);
-  }
+  if (mr == 1)
+    decode_rows(1, kc, (const float *)a, as, b, scale, c, accumulate);
+  else
+    decode_rows(2, kc, (const float *)a, as, b, scale, c, accumulate);
 }
 
 static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, size_t kc,
