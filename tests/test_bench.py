@@ -43,9 +43,10 @@ def keep_threads():
 
 @pytest.fixture
 def fast_limits(monkeypatch):
-    """Shorter FMA / u8*s8 / bf16 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
+    """Shorter FMA / u8*s8 / bf16 / u4*s8 peak probes (0.05 s x 2 runs instead of 0.3 s x 3)."""
     fma, i8 = bench_machine._fma_peak_samples, bench_machine._int8_peak_samples
-    bf = bench_machine._bf16_peak_samples
+    bf, i4 = bench_machine._bf16_peak_samples, bench_machine._int4_peak_samples
+    monkeypatch.setattr(bench_machine, "_int4_peak_samples", lambda: i4(0.05, 2))
     monkeypatch.setattr(bench_machine, "_fma_peak_samples", lambda: fma(0.05, 2))
     monkeypatch.setattr(bench_machine, "_int8_peak_samples", lambda: i8(0.05, 2))
     monkeypatch.setattr(bench_machine, "_bf16_peak_samples", lambda: bf(0.05, 2))
@@ -292,9 +293,14 @@ def test_int4_scheme(tmp_path, fast_limits, capsys):
                        "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     int4pack = doc["settings"]["int4pack_unavailable"] is None
-    assert doc["machine"]["int8_peak_gops"] > 0  # int4 rows are judged against u8*s8
+    m = doc["machine"]  # int4 rows are judged against the INT4 kernels' own loop
+    assert m["int4_peak_gops"] == max(m["int4_samples_gops"]) > 0 and m["int8_peak_gops"] is None
+    assert m["int4_peak_gops_end"] == max(m["int4_samples_gops_end"]) > 0
+    assert m["limits_by_threads"][0]["int4_peak_gops"] == m["int4_peak_gops"]
     for c in doc["cases"]:
-        assert c["scheme"] == "int4" and c["peak_kind"] == "u8s8" and c["moe_comp_method"] == 3
+        assert c["scheme"] == "int4" and c["peak_kind"] == "u4s8" and c["moe_comp_method"] == 3
+        peak = m["int4_peak_gops"]
+        assert c["peak_fraction"] == pytest.approx(c["flops"] / peak / 1e6 / c["ms"]), c
         assert 0 <= c["rel_diff_vs_baseline"] < 5e-2, c
         if int4pack:
             assert c["int4pack_ms"] > 0 and 0 <= c["rel_diff_vs_int4pack"] < 5e-2, c
@@ -472,19 +478,22 @@ def test_bench_interleave_cli(tmp_path, fast_limits, monkeypatch, capsys):
 def test_peak_kind_per_scheme_and_activation_dtype():
     """bf16 rows and fp8/mxfp4 rows with bf16 activations are judged against the bf16 peak;
     fp16 rows and fp8/mxfp4 rows with fp16 activations against the fp32 FMA peak; int8/int4
-    against u8*s8 whatever the activation dtype. bf16/fp16 fix their own activation dtype."""
+    int8 against u8*s8 and int4 against its kernels' own loop (u4*s8) whatever the activation
+    dtype. bf16/fp16 fix their own activation dtype."""
     expected = {("bf16", "bf16"): "bf16", ("bf16", "fp16"): "bf16",
                 ("fp16", "bf16"): "fp32_fma", ("fp16", "fp16"): "fp32_fma",
                 ("fp8", "bf16"): "bf16", ("fp8", "fp16"): "fp32_fma",
                 ("int8", "bf16"): "u8s8", ("int8", "fp16"): "u8s8",
-                ("int4", "bf16"): "u8s8", ("int4", "fp16"): "u8s8",
+                ("int4", "bf16"): "u4s8", ("int4", "fp16"): "u4s8",
                 ("mxfp4", "bf16"): "bf16", ("mxfp4", "fp16"): "fp32_fma"}
     got = {(name, d): scheme.peak_kind(d) for name, scheme in bench.SCHEMES.items()
            for d in ("bf16", "fp16")}
     assert got == expected
     assert bench.SCHEMES["fp8"].peak_kind(torch.float16) == "fp32_fma"  # a torch dtype too
-    lim = bench.Limits(read_gbps=10.0, fma_gflops=100.0, int8_gops=400.0, bf16_gops=3000.0)
-    assert [lim.peak(k) for k in ("fp32_fma", "bf16", "u8s8")] == [100.0, 3000.0, 400.0]
+    lim = bench.Limits(read_gbps=10.0, fma_gflops=100.0, int8_gops=400.0, bf16_gops=3000.0,
+                       int4_gops=700.0)
+    assert [lim.peak(k) for k in bench_machine.PEAK_KINDS] == [100.0, 3000.0, 400.0, 700.0]
+    assert bench.Limits(10.0, 100.0, 400.0).bound(1.0, 6e9, "u4s8") is None  # not measured
     assert lim.bound(0.0, 6e9, "bf16") == ("compute", pytest.approx(2e-3))
     assert bench.Limits(10.0, 100.0).bound(1.0, 6e9, "bf16") is None  # bf16 not measured
     with pytest.raises(ValueError, match="peak kind"):
@@ -507,6 +516,12 @@ def test_plan_measures_the_bf16_peak_only_for_rows_judged_against_it():
     p = _plan(["--scheme", "fp8", "--threads", "2,1"])
     assert p.used_by == {"bf16": ["fp8"]} and p.need_bf16 and not p.need_int8
     assert p.units_limits == pytest.approx(0.7 * 2)
+    p = _plan(["--scheme", "int8,int4"])
+    assert p.used_by == {"u8s8": ["int8"], "u4s8": ["int4"]} and p.need_int8 and p.need_int4
+    assert not p.need_bf16 and p.peaks_needed == {"need_bf16": False, "need_int4": True}
+    p = _plan(["--scheme", "int4"])
+    assert p.used_by == {"u4s8": ["int4"]} and p.need_int4 and not p.need_int8
+    assert p.units_limits == pytest.approx(0.7)
 
 
 def _fake_probe(value):
@@ -528,9 +543,14 @@ def test_measure_limits_runs_the_bf16_probe_only_when_asked(monkeypatch):
         "samples_gflops": [400.0], "iterations": 1, "seconds_per_run": 0.3}))
     monkeypatch.setattr(bench_machine, "_int8_peak_samples", probe("int8", _fake_probe(13000)))
     monkeypatch.setattr(bench_machine, "_bf16_peak_samples", probe("bf16", _fake_probe(6600)))
+    monkeypatch.setattr(bench_machine, "_int4_peak_samples", probe("int4", _fake_probe(900)))
     got = bench.measure_limits(True)
-    assert calls == ["fma", "int8"] and got["bf16"] is None
+    assert calls == ["fma", "int8"] and got["bf16"] is None and got["int4"] is None
     assert got["limits"] == bench.Limits(20.0, 400.0, 13000.0, None)
+    calls.clear()
+    got = bench.measure_limits(False, need_int4=True)
+    assert calls == ["fma", "int4"] and got["int8"] is None and got["bf16"] is None
+    assert got["limits"] == bench.Limits(20.0, 400.0, None, None, 900.0)
     calls.clear()
     got = bench.measure_limits(False, need_bf16=True)
     assert calls == ["fma", "bf16"] and got["int8"] is None
@@ -543,6 +563,18 @@ def test_measure_bf16_peak_runs_the_tier_loop():
     assert bf16 > 0
     if cpumoe.isa() == "amx":  # the tile unit: an order of magnitude above the FMAs
         assert bf16 > 4 * bench.measure_fma_peak(0.02, 1)
+
+
+def test_measure_int4_peak_runs_the_tier_loop():
+    """The u4*s8 probe counts 2 ops per multiply-add like the u8*s8 one: 64 per vpmaddubsw
+    on avx2 (12 chains x 8 per iteration), the u8*s8 loop's count on the other tiers."""
+    from cpumoe import _C
+
+    assert bench.measure_int4_peak(0.02, 1) > 0
+    if cpumoe.isa() == "avx2":
+        assert _C.probe_int4(10) == 10 * 12 * 8 * 64 * torch.get_num_threads()
+    else:
+        assert _C.probe_int4(10) == _C.probe_int8(10)
 
 
 def _fake_limits(with_bf16=True, with_int8=True):
@@ -572,6 +604,14 @@ def test_limit_lines_name_the_bf16_peak_and_its_loop():
     assert not any(ln.startswith("bf16 peak") for ln in lines)
     assert bench_machine.peak_loop("bf16", "avx512bf16") == "fp32 FMA"
     assert bench_machine.peak_loop("u8s8", "amx") == "AMX tdpbusd"
+    limits = dict(_fake_limits(with_bf16=False), int4=_fake_probe(900))
+    lines = _limit_lines(limits, {"u8s8": ["int8"], "u4s8": ["int4"]}, "avx2")
+    assert lines[2].endswith(", AVX2 vpmaddwd; median 12350); bound of int8 rows"), lines[2]
+    assert lines[3] == ("u4*s8 peak:     900 GOP/s (best of 2 runs of ~0.3 s, AVX2 vpmaddubsw; "
+                        "median 855); bound of int4 rows")
+    # the tiers whose INT4 kernels run INT8's instruction judge int4 against the same loop
+    for tier in ("amx", "avx512bf16", "avx512", "avx2vnni", "scalar"):
+        assert bench_machine.peak_loop("u4s8", tier) == bench_machine.peak_loop("u8s8", tier)
 
 
 def test_drift_lines_flag_limits_that_moved():

@@ -133,6 +133,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_read", &rt::probe_read, "stream a buffer `passes` times on torch's threads");
   m.def("probe_int8", &rt::probe_int8,
         "u8*s8 ops done by `iterations` of the int8 peak loop per thread (VNNI on avx512)");
+  m.def("probe_int4", &rt::probe_int4,
+        "int4 ops done by `iterations` of the loop the INT4 kernels run, per thread "
+        "(vpmaddubsw of nibbles on avx2, the int8 loop elsewhere)");
   m.def("probe_fma", &rt::probe_fma, "flops done by `iterations` of the FMA peak loop per thread");
   m.def("probe_bf16", &rt::probe_bf16,
         "bf16 ops done by `iterations` of the bf16 peak loop per thread (AMX on amx)");

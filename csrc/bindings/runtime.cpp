@@ -198,6 +198,11 @@ double probe_int8(int64_t iterations) {
   return cpumoe_probe_int8(iterations, &runner);
 }
 
+double probe_int4(int64_t iterations) {
+  const cpumoe_runner runner = aten_runner();
+  return cpumoe_probe_int4(iterations, &runner);
+}
+
 double probe_bf16(int64_t iterations) {
   const cpumoe_runner runner = aten_runner();
   return cpumoe_probe_bf16(iterations, &runner);

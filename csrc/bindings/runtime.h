@@ -50,6 +50,7 @@ uintptr_t workspace_address();
 at::Tensor new_weight_buffer(int64_t nbytes);
 double probe_read(const at::Tensor &buffer, int64_t passes);
 double probe_int8(int64_t iterations);
+double probe_int4(int64_t iterations);
 double probe_fma(int64_t iterations);
 double probe_bf16(int64_t iterations);
 int64_t runner_threads(int64_t workers);

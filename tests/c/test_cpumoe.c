@@ -2300,6 +2300,9 @@ static void test_probes(void) {
     const double int1 = cpumoe_probe_int8(n, NULL), int2 = cpumoe_probe_int8(2 * n, NULL);
     CHECK(int1 > 0 && int2 == 2 * int1, "probe_int8 [%s]: %.0f then %.0f ops", tier, int1, int2);
     CHECK(cpumoe_probe_int8(n, &g_threads) == 3 * int1, "probe_int8 [%s]: 3 workers", tier);
+    const double i4_1 = cpumoe_probe_int4(n, NULL), i4_2 = cpumoe_probe_int4(2 * n, NULL);
+    CHECK(i4_1 > 0 && i4_2 == 2 * i4_1, "probe_int4 [%s]: %.0f then %.0f ops", tier, i4_1, i4_2);
+    CHECK(cpumoe_probe_int4(n, &g_threads) == 3 * i4_1, "probe_int4 [%s]: 3 workers", tier);
     const double bf1 = cpumoe_probe_bf16(n, NULL), bf2 = cpumoe_probe_bf16(2 * n, NULL);
     CHECK(bf1 > 0 && bf2 == 2 * bf1, "probe_bf16 [%s]: %.0f then %.0f ops", tier, bf1, bf2);
     CHECK(cpumoe_probe_bf16(n, &g_threads) == 3 * bf1, "probe_bf16 [%s]: 3 workers", tier);

@@ -374,6 +374,11 @@ double cpumoe_probe_fma(int64_t iterations, const cpumoe_runner *runner);
  * avx512) on each worker; returns the operations done in total (2 per multiply-add). */
 double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner);
 
+/* Runs `iterations` of the loop the active tier's INT4 kernels run (the u8*s8 loop where they
+ * run the same instruction; vpmaddubsw of nibbles with one widening vpmaddwd per 8 on avx2)
+ * on each worker; returns the operations done in total (2 per multiply-add). */
+double cpumoe_probe_int4(int64_t iterations, const cpumoe_runner *runner);
+
 /* Runs `iterations` of the loop the active tier's bf16 GEMMs peak at (AMX tdpbf16ps on amx;
  * the fp32 FMA loop on tiers that widen bf16) on each worker; returns the operations done in
  * total (2 per multiply-add). */

@@ -338,13 +338,15 @@ typedef struct cm_elementwise_kernels {
 } cm_elementwise_kernels;
 
 /* roofline probes: stream `bytes` once; run `iterations` of the widest FMA loop; of the
- * tier's u8*s8 multiply-add loop; of the bf16 multiply-add loop its bf16 kernels run on (the
- * FMA loop on tiers that widen bf16 to fp32). Each returns the operations done (2 per
- * multiply-add). */
+ * tier's u8*s8 multiply-add loop; of the loop its INT4 kernels run (the u8*s8 loop where they
+ * run the same instruction; avx2's vpmaddubsw of nibbles); of the bf16 multiply-add loop its
+ * bf16 kernels run on (the FMA loop on tiers that widen bf16 to fp32). Each returns the
+ * operations done (2 per multiply-add). */
 typedef struct cm_probe_kernels {
   double (*read)(const void *buffer, size_t bytes);
   double (*fma)(int64_t iterations);
   double (*int8)(int64_t iterations);
+  double (*int4)(int64_t iterations);
   double (*bf16)(int64_t iterations);
 } cm_probe_kernels;
 
@@ -449,6 +451,7 @@ void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t
                                     size_t, const int32_t *, float *, int);
 void cm_fp8_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const uint8_t *,
                                     const float *, float *, int);
+double cm_probe_int4_loop__avx2(int64_t);
 
 /* avx2vnni: vpdpbusd on ymm (schemes/int8, schemes/int4, probe) */
 void cm_u8s8_gemm_s32acc_mrx32__avx2vnni(size_t, size_t, const uint8_t *, size_t, const int8_t *,

@@ -59,6 +59,7 @@
   ((cm_probe_kernels){.read = cm_probe_read_chunk__##tier, \
                       .fma = cm_probe_fma_loop__##tier,    \
                       .int8 = cm_probe_int8_loop__##tier,  \
+                      .int4 = cm_probe_int8_loop__##tier,  \
                       .bf16 = cm_probe_fma_loop__##tier})
 /* 16-bit weights of one dtype (bf16 or f16) on fp32 panels */
 #define CM_UNQUANT_KERNELS(tier, dtype) \
@@ -174,6 +175,7 @@ static cm_gemm_config *with_decode(cm_gemm_config *g, size_t max_rows, cm_panel_
 
 static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
+  c->probes.int4 = cm_probe_int4_loop__avx2; /* its INT4 kernels run vpmaddubsw on nibbles */
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     with_decode(&c->gemm[CM_UNQUANT][act], CM_AVX2_UNQUANT_DECODE_ROWS, CM_PANEL_F32)
@@ -195,7 +197,7 @@ static void cm_config_init__avx2(cm_tier_config *c) {
  * into int32 lanes, one instruction per 4 products where avx2 needs a widening multiply and
  * an add per 2; the same exact integers, so avx2's bits. Everything else is avx2's. */
 static void cm_config_init__avx2vnni(cm_tier_config *c) {
-  c->probes.int8 = cm_probe_int8_loop__avx2vnni;
+  c->probes.int8 = c->probes.int4 = cm_probe_int8_loop__avx2vnni;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     c->gemm[CM_INT8][act].mr = c->gemm[CM_INT4][act].mr = CM_TILE_MR_AVX2VNNI;
     cm_int8_kernels *int8 = &c->gemm[CM_INT8][act].kernels.int8;
@@ -256,7 +258,7 @@ static cm_gemm_config *on_tiles(cm_gemm_config *g, cm_panel_format format) {
 static void cm_config_init__amx(cm_tier_config *c) {
   c->end_op = cm_amx_end_op__amx;
   c->probes.bf16 = cm_probe_bf16_loop__amx;
-  c->probes.int8 = cm_probe_int8_loop__amx;
+  c->probes.int8 = c->probes.int4 = cm_probe_int8_loop__amx; /* INT4 unpacks to s8 tiles */
   /* Blocks of 1 or 2 rows keep the parent's vdpbf16ps kernels: at decode (M = 1) they stream
    * the weights faster than the tile kernels (docs/PERFORMANCE-HISTORY.md). The two
    * round differently, so on this tier a token's bf16 bits can depend on how many rows its
@@ -559,6 +561,11 @@ static void probe_int8_worker(void *arg, int64_t w) {
   job->result[w] = cm_active_config()->probes.int8(job->iterations);
 }
 
+static void probe_int4_worker(void *arg, int64_t w) {
+  probe_job *job = (probe_job *)arg;
+  job->result[w] = cm_active_config()->probes.int4(job->iterations);
+}
+
 static void probe_bf16_worker(void *arg, int64_t w) {
   probe_job *job = (probe_job *)arg;
   job->result[w] = cm_active_config()->probes.bf16(job->iterations);
@@ -572,6 +579,11 @@ double cpumoe_probe_bf16(int64_t iterations, const cpumoe_runner *runner) {
 double cpumoe_probe_int8(int64_t iterations, const cpumoe_runner *runner) {
   probe_job job = {.iterations = iterations};
   return run_probe(runner, probe_int8_worker, &job);
+}
+
+double cpumoe_probe_int4(int64_t iterations, const cpumoe_runner *runner) {
+  probe_job job = {.iterations = iterations};
+  return run_probe(runner, probe_int4_worker, &job);
 }
 
 double cpumoe_probe_fma(int64_t iterations, const cpumoe_runner *runner) {

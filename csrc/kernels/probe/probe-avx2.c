@@ -1,7 +1,7 @@
 /*
  * Machine-limit probes, AVX2 tier (see probe-avx512.c): 32-byte loads into 8 integer
- * adds; 12 independent ymm chains (of 16 registers, probe/chains-avx2.h) for the FMA and
- * int8 peaks.
+ * adds; 12 independent ymm chains (of 16 registers, probe/chains-avx2.h) for the FMA, int8
+ * and int4 peaks.
  */
 #include <immintrin.h>
 
@@ -63,4 +63,33 @@ double cm_probe_int8_loop__avx2(int64_t iterations) {
   _mm256_storeu_si256((__m256i *)out, sum);
   cm_probe_sink_avx2 = out[0];
   return (double)iterations * 12.0 * 32.0;
+}
+
+/* int4 peak of this tier's exact method (schemes/int4/gemm-avx2.c): vpmaddubsw of nibbles
+ * (unsigned) by s8 activations + vpaddw into int16, and per CM_INT4_I16_QUADS = 8 of those one
+ * vpmaddwd with ones + vpaddd widening the sums to int32. Only the products count: 16 lanes x
+ * 2 products x 2 ops = 64 ops per vpmaddubsw. The values are meaningless (the int16 sums are
+ * read back as bytes and as int32); the instruction mix and its dependencies are the kernel's. */
+double cm_probe_int4_loop__avx2(int64_t iterations) {
+  const __m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+  __m256i c0 = x, c1 = x, c2 = x, c3 = x, c4 = x, c5 = x, c6 = x, c7 = x, c8 = x, c9 = x, c10 = x,
+          c11 = x;
+#define CM_MADDUBS(c) _mm256_add_epi16(c, _mm256_maddubs_epi16(c, y)) /* depends on c */
+#define CM_WIDEN(c) _mm256_add_epi32(c, _mm256_madd_epi16(c, ones))
+  for (int64_t it = 0; it < iterations; it++) {
+    for (int q = 0; q < 8; q++) {
+      CM_CHAINS12(CM_MADDUBS);
+    }
+    CM_CHAINS12(CM_WIDEN);
+  }
+#undef CM_WIDEN
+#undef CM_MADDUBS
+  const __m256i sum = _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
+      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
+  int out[8];
+  _mm256_storeu_si256((__m256i *)out, sum);
+  cm_probe_sink_avx2 = out[0];
+  return (double)iterations * 12.0 * 8.0 * 64.0;
 }

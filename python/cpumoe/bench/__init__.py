@@ -17,11 +17,15 @@ the machine limits of docs/PERFORMANCE.md, all measured in the same run:
   one of them is benchmarked;
 * u8*s8 peak of the active tier: ``_C.probe_int8``, the same kind of loop of u8*s8 dot
   products (AMX ``tdpbusd`` on amx, VNNI ``vpdpbusd`` on avx512) (:func:`measure_int8_peak`);
-  the ceiling of the int8 and int4 schemes, measured only when one of them is benchmarked.
+  the ceiling of the int8 scheme, measured only when it is benchmarked;
+* u4*s8 peak of the active tier: ``_C.probe_int4``, the loop its INT4 kernels run
+  (:func:`measure_int4_peak`): on avx2 ``vpmaddubsw`` of nibbles, twice the products per
+  instruction of its INT8 loop; elsewhere the u8*s8 loop, the instruction INT4 runs there
+  too; the ceiling of the int4 scheme, measured only when it is benchmarked.
 
 Each row's bound is the larger of bytes / bandwidth and operations / peak (the roofline);
 ``%bound`` is that bound over the measured time. A row's ``peak_kind`` (``fp32_fma``,
-``bf16`` or ``u8s8``) says which peak it is judged against (:meth:`Scheme.peak_kind`, by
+``bf16``, ``u8s8`` or ``u4s8``) says which peak it is judged against (:meth:`Scheme.peak_kind`, by
 scheme and activation dtype), and the header names the loop each peak ran on the tier
 (:func:`peak_loop`). With ``--threads 1,2`` every case is also timed at the other thread
 counts (limits measured at each count too).
@@ -69,6 +73,7 @@ package replaced.
 
 Importable for tests: :func:`main` (returns 0), :func:`measure_read_bandwidth`,
 :func:`measure_fma_peak`, :func:`measure_bf16_peak`, :func:`measure_int8_peak`,
+:func:`measure_int4_peak`,
 :func:`run_case`, :func:`baseline_moe`, :func:`baseline_int8pack_moe`,
 :func:`baseline_int4pack_moe`, :func:`run_capped_baseline`, :func:`machine_info`,
 :func:`write_plot`. Smoke run (seconds):
@@ -114,6 +119,7 @@ from .machine import (
     machine_info,
     measure_bf16_peak,
     measure_fma_peak,
+    measure_int4_peak,
     measure_int8_peak,
     measure_limits,
     measure_read_bandwidth,
@@ -121,6 +127,7 @@ from .machine import (
 )
 from .machine import _bf16_peak_samples as _bf16_peak_samples
 from .machine import _fma_peak_samples as _fma_peak_samples
+from .machine import _int4_peak_samples as _int4_peak_samples
 from .machine import _int8_peak_samples as _int8_peak_samples
 from .machine import _mem_available_bytes as _mem_available_bytes
 from .report import (
@@ -165,7 +172,7 @@ __all__ = [
     "format_header_row", "format_row", "fused_experts", "int4_group_size",
     "int4pack_unavailable", "int8pack_unavailable", "last_level_cache_bytes",
     "load_document", "machine_info", "main", "make_routings", "measure_bf16_peak",
-    "measure_fma_peak", "measure_int8_peak", "measure_limits", "measure_read_bandwidth", "parse_pairs",
+    "measure_fma_peak", "measure_int4_peak", "measure_int8_peak", "measure_limits", "measure_read_bandwidth", "parse_pairs",
     "parse_schemes", "parse_shapes", "peak_loop", "resolve_arguments", "run", "run_capped_baseline",
     "run_case", "run_interleaved", "run_pairs", "scheme_unavailable", "table_columns",
     "write_plot",

@@ -338,8 +338,8 @@ def run_pairs(args: argparse.Namespace, shapes: List[Shape], pairs: List[Tuple[s
 class RunPlan:
     """What a run does, settled from the options before anything is measured, and the
     progress bar's budget: 1 unit per case (+0.3 per scaling count), 0.5 per case for the
-    capped baseline, 0.5 per thread count for the limits (+0.2 each for the u8*s8 and the
-    bf16 peak, measured only when a row is judged against them), 1 per interleaved (shape,
+    capped baseline, 0.5 per thread count for the limits (+0.2 each for the u8*s8, the bf16
+    and the u4*s8 peak, measured only when a row is judged against them), 1 per interleaved (shape,
     pair, M), 0.25 for the bandwidth and the peaks measured again at the end."""
 
     shapes: List[Shape]
@@ -364,12 +364,22 @@ class RunPlan:
         return "bf16" in self.used_by
 
     @property
+    def need_int4(self) -> bool:
+        return "u4s8" in self.used_by
+
+    @property
+    def peaks_needed(self) -> dict:
+        """The keyword arguments of :func:`measure_limits` beyond ``need_int8``."""
+        return {"need_bf16": self.need_bf16, "need_int4": self.need_int4}
+
+    @property
     def case_count(self) -> int:
         return len(self.shapes) * len(self.schemes) * len(self.ms)
 
     @property
     def units_limits(self) -> float:
-        return (0.5 + 0.2 * self.need_int8 + 0.2 * self.need_bf16) * (1 + len(self.scaling))
+        return ((0.5 + 0.2 * (self.need_int8 + self.need_bf16 + self.need_int4))
+                * (1 + len(self.scaling)))
 
     @property
     def units_capped(self) -> float:
@@ -434,14 +444,14 @@ def measure_limits_by_threads(plan: RunPlan, bar: Progress) -> Dict[int, dict]:
     thread count restored after each)."""
     bar.update(0.0, f"measuring the limits at {plan.threads} threads", force=True)
     by_threads = {plan.threads: measure_limits(plan.need_int8, plan.bw_bytes,
-                                               need_bf16=plan.need_bf16)}
+                                               **plan.peaks_needed)}
     for k, count in enumerate(plan.scaling):
         bar.update(plan.units_limits * (k + 1) / (1 + len(plan.scaling)),
                    f"measuring the limits at {count} threads", force=True)
         torch.set_num_threads(count)
         try:
             by_threads[count] = measure_limits(plan.need_int8, plan.bw_bytes,
-                                               need_bf16=plan.need_bf16)
+                                               **plan.peaks_needed)
         finally:
             torch.set_num_threads(plan.threads)
     bar.update(plan.units_limits, "limits measured")
@@ -537,7 +547,7 @@ def run(args: argparse.Namespace, shapes: List[Shape]) -> int:
         bar.update(start + done, "re-measuring the streaming-read bandwidth and the peaks",
                    force=True)
         read_end = _read_bandwidth_samples(plan.bw_bytes)
-        peaks_end = measure_peaks(plan.need_int8, need_bf16=plan.need_bf16)
+        peaks_end = measure_peaks(plan.need_int8, **plan.peaks_needed)
         limits_end = best_limits(read_end, peaks_end)
         busy_after = cpu_busy_fraction()
         bar.update(start + done + 0.25)

@@ -17,7 +17,8 @@ median is reported. Limits, measured in the same run on the same threads with th
 ``python -m cpumoe bench`` (:mod:`cpumoe.bench.machine`): the streaming-read bandwidth, and the
 compute peak the scheme's rows are judged against (:meth:`cpumoe.bench.schemes.Scheme.peak_kind`:
 the bf16 peak, AMX ``tdpbf16ps`` on amx, for bf16 and fp8 rows with bf16 activations; the fp32
-FMA peak with fp16 activations; the u8*s8 peak, AMX ``tdpbusd`` on amx, for int8 and int4).
+FMA peak with fp16 activations; the u8*s8 peak, AMX ``tdpbusd`` on amx, for int8; the peak of
+the INT4 kernels' loop for int4, the same loop but on avx2, where it is ``vpmaddubsw``).
 Per row: ``%bw`` = (bytes of the weights and their scales / bandwidth) / time, what a decode
 row (M = 1) is bound by; ``%peak`` = (2 M N K / peak) / time; ``%roofline`` = the larger of
 the two bounds / time.
@@ -54,6 +55,7 @@ from .baselines import int4pack_unavailable, int8pack_unavailable
 from .machine import (
     _bf16_peak_samples,
     _fma_peak_samples,
+    _int4_peak_samples,
     _int8_peak_samples,
     _mem_available_bytes,
     _read_bandwidth_samples,
@@ -266,7 +268,8 @@ def measure_limits(kinds: Sequence[str], buffer_bytes: Optional[int] = None
     read = _read_bandwidth_samples(buffer_bytes)
     probes = {"fp32_fma": (_fma_peak_samples, "samples_gflops"),
               "bf16": (_bf16_peak_samples, "samples_gops"),
-              "u8s8": (_int8_peak_samples, "samples_gops")}
+              "u8s8": (_int8_peak_samples, "samples_gops"),
+              "u4s8": (_int4_peak_samples, "samples_gops")}
     samples = {kind: probes[kind][0]()[probes[kind][1]] for kind in kinds}
     return (Limits(max(read["samples_gbps"]), {k: max(v) for k, v in samples.items()}),
             {"read_gbps": read["samples_gbps"], "peaks": samples})

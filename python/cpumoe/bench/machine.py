@@ -278,6 +278,16 @@ def _int8_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
             "seconds_per_run": target_seconds}
 
 
+def _int4_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
+    """Runs ``_C.probe_int4`` (the register-only loop the active tier's INT4 kernels run:
+    ``vpmaddubsw`` of nibbles with a widening ``vpmaddwd`` per 8 on avx2, the u8*s8 loop on
+    the tiers whose INT4 kernels run the same instruction as INT8; 2 ops per multiply-add, on
+    each of torch's threads) like :func:`_fma_peak_samples`."""
+    r = _probe_rate_samples(_C.probe_int4, target_seconds, runs)
+    return {"samples_gops": r["samples"], "iterations": r["iterations"],
+            "seconds_per_run": target_seconds}
+
+
 def _bf16_peak_samples(target_seconds: float = 0.3, runs: int = 3) -> dict:
     """Runs ``_C.probe_bf16`` (the loop the active tier's bf16 GEMMs peak at: AMX
     ``tdpbf16ps`` on amx, the fp32 FMA loop on the tiers that widen bf16 to fp32; 2 ops per
@@ -299,6 +309,12 @@ def measure_int8_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "b
     return _stat(_int8_peak_samples(target_seconds, runs)["samples_gops"], stat)
 
 
+def measure_int4_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
+    """Multiply-add peak of the active tier's INT4 loop in GOP/s (2 ops per multiply-add) on
+    torch's current threads (best of ``runs`` runs of ~``target_seconds`` by default)."""
+    return _stat(_int4_peak_samples(target_seconds, runs)["samples_gops"], stat)
+
+
 def measure_bf16_peak(target_seconds: float = 0.3, runs: int = 3, stat: str = "best") -> float:
     """bf16 multiply-add peak of the active tier in GOP/s (2 ops per multiply-add; AMX on
     amx, the fp32 FMA rate elsewhere) on torch's current threads (best of ``runs`` runs of
@@ -315,9 +331,10 @@ def _stat(samples: Sequence[float], stat: str) -> float:
 
 
 # The compute ceilings a row can be judged against (a row's ``peak_kind``): the fp32 FMA
-# peak (``_C.probe_fma``), the bf16 peak (``_C.probe_bf16``) and the u8*s8 peak
-# (``_C.probe_int8``).
-PEAK_KINDS = ("fp32_fma", "bf16", "u8s8")
+# peak (``_C.probe_fma``), the bf16 peak (``_C.probe_bf16``), the u8*s8 peak
+# (``_C.probe_int8``) and the peak of the INT4 kernels' loop, 4-bit weights by s8
+# activations (``_C.probe_int4``).
+PEAK_KINDS = ("fp32_fma", "bf16", "u8s8", "u4s8")
 
 # The loop each compute probe runs, by tier (what the header and the picture name); a
 # tier not listed runs the default. Kept in step with csrc/kernels/dispatch/config.c.
@@ -325,8 +342,11 @@ _PEAK_LOOPS = {
     "fp32_fma": {None: "fp32 FMA"},
     "bf16": {"amx": "AMX tdpbf16ps", None: "fp32 FMA"},
     "u8s8": {"amx": "AMX tdpbusd", "avx512bf16": "VNNI vpdpbusd", "avx512": "VNNI vpdpbusd",
-             "avx2": "AVX2 vpmaddwd", "scalar": "scalar multiply-adds",
-             None: "the tier's u8*s8 loop"},
+             "avx2vnni": "AVX-VNNI vpdpbusd", "avx2": "AVX2 vpmaddwd",
+             "scalar": "scalar multiply-adds", None: "the tier's u8*s8 loop"},
+    "u4s8": {"amx": "AMX tdpbusd", "avx512bf16": "VNNI vpdpbusd", "avx512": "VNNI vpdpbusd",
+             "avx2vnni": "AVX-VNNI vpdpbusd", "avx2": "AVX2 vpmaddubsw",
+             "scalar": "scalar multiply-adds", None: "the tier's int4 loop"},
 }
 
 
@@ -346,6 +366,7 @@ class Limits:
     fma_gflops: Optional[float] = None  # fp32 FMA peak, 1e9 flop/s
     int8_gops: Optional[float] = None  # u8*s8 peak, 1e9 op/s
     bf16_gops: Optional[float] = None  # bf16 peak (AMX on amx, else the FMA loop), 1e9 op/s
+    int4_gops: Optional[float] = None  # the INT4 kernels' loop (u4*s8), 1e9 op/s
 
     def peak(self, kind: str) -> Optional[float]:
         """The compute ceiling of a row's ``peak_kind`` (one of :data:`PEAK_KINDS`)."""
@@ -355,6 +376,8 @@ class Limits:
             return self.bf16_gops
         if kind == "u8s8":
             return self.int8_gops
+        if kind == "u4s8":
+            return self.int4_gops
         raise ValueError(f"peak kind must be one of {', '.join(PEAK_KINDS)}, got '{kind}'")
 
     def bound(self, weight_bytes: float, ops: float, kind: str):
@@ -369,13 +392,13 @@ class Limits:
 
 
 def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None, *,
-                   need_bf16: bool = False) -> dict:
+                   need_bf16: bool = False, need_int4: bool = False) -> dict:
     """All limit samples on torch's current threads: ``{"threads", "read", "fma", "int8",
-    "bf16"}`` (``int8`` None unless ``need_int8``, ``bf16`` None unless ``need_bf16``: only
-    the peaks some row is judged against are measured, beside the fp32 FMA peak) and
-    ``limits``, a :class:`Limits` of the best runs."""
+    "bf16", "int4"}`` (``int8``, ``bf16`` and ``int4`` None unless ``need_int8``,
+    ``need_bf16``, ``need_int4``: only the peaks some row is judged against are measured,
+    beside the fp32 FMA peak) and ``limits``, a :class:`Limits` of the best runs."""
     bw = _read_bandwidth_samples(buffer_bytes)
-    peaks = measure_peaks(need_int8, need_bf16=need_bf16)
+    peaks = measure_peaks(need_int8, need_bf16=need_bf16, need_int4=need_int4)
     return {"threads": torch.get_num_threads(), "read": bw, **peaks,
             "limits": best_limits(bw, peaks)}
 
@@ -383,19 +406,21 @@ def measure_limits(need_int8: bool, buffer_bytes: Optional[int] = None, *,
 def best_limits(read: dict, peaks: dict) -> Limits:
     """The :class:`Limits` of the best runs of a read probe's samples and of
     :func:`measure_peaks`' (a peak not measured stays None)."""
-    fma, i8, bf = peaks["fma"], peaks["int8"], peaks["bf16"]
-    return Limits(max(read["samples_gbps"]), max(fma["samples_gflops"]),
-                  max(i8["samples_gops"]) if i8 else None,
-                  max(bf["samples_gops"]) if bf else None)
+    def best(samples: Optional[dict]) -> Optional[float]:
+        return max(samples["samples_gops"]) if samples else None
+
+    return Limits(max(read["samples_gbps"]), max(peaks["fma"]["samples_gflops"]),
+                  best(peaks["int8"]), best(peaks["bf16"]), best(peaks.get("int4")))
 
 
-def measure_peaks(need_int8: bool, *, need_bf16: bool = False) -> dict:
-    """The peak samples of :func:`measure_limits` alone: ``{"fma", "int8", "bf16"}``, the
-    last two None unless needed. The bench takes them again after its rows: on a shared host
-    the compute peaks drift as much as the bandwidth (docs/PERFORMANCE.md, "Method")."""
+def measure_peaks(need_int8: bool, *, need_bf16: bool = False, need_int4: bool = False) -> dict:
+    """The peak samples of :func:`measure_limits` alone: ``{"fma", "int8", "bf16", "int4"}``,
+    the last three None unless needed. The bench takes them again after its rows: on a shared
+    host the compute peaks drift as much as the bandwidth (docs/PERFORMANCE.md, "Method")."""
     return {"fma": _fma_peak_samples(),
             "int8": _int8_peak_samples() if need_int8 else None,
-            "bf16": _bf16_peak_samples() if need_bf16 else None}
+            "bf16": _bf16_peak_samples() if need_bf16 else None,
+            "int4": _int4_peak_samples() if need_int4 else None}
 
 
 # A limit that moved by more than this between a run's start and its end marks the run noisy.

@@ -205,7 +205,8 @@ def _draw_panel(ax, scheme: str, cases: List[dict], shapes: List[str],
     ax.grid(True, which="both", alpha=0.3)
 
 
-PEAK_LABELS = {"fp32_fma": "fp32 FMA", "bf16": "bf16", "u8s8": "u8*s8"}  # by peak kind
+PEAK_LABELS = {"fp32_fma": "fp32 FMA", "bf16": "bf16", "u8s8": "u8*s8",
+               "u4s8": "u4*s8"}  # by peak kind
 
 
 def panel_title(scheme: str, cases: List[dict]) -> str:
@@ -227,7 +228,8 @@ def limits_text(machine: dict) -> str:
         parts.append(f"read {machine['read_gbps']:.1f} GB/s")
     if machine.get("fma_peak_gflops"):
         parts.append(f"fp32 FMA {machine['fma_peak_gflops']:.0f} GFLOP/s")
-    for key, kind in (("bf16_peak_gops", "bf16"), ("int8_peak_gops", "u8s8")):
+    for key, kind in (("bf16_peak_gops", "bf16"), ("int8_peak_gops", "u8s8"),
+                      ("int4_peak_gops", "u4s8")):
         if machine.get(key):
             parts.append(f"{PEAK_LABELS[kind]} {machine[key]:.0f} GOP/s"
                          + (f" ({peak_loop(kind, tier)})" if tier else ""))
@@ -267,7 +269,8 @@ def _limit_lines(lim: dict, used_by: Dict[str, List[str]], tier: str) -> List[st
     if used_by.get("fp32_fma"):
         out[-1] += f"; bound of {', '.join(used_by['fp32_fma'])} rows"
     for key, label, kind in (("bf16", "bf16 peak:      ", "bf16"),
-                             ("int8", "u8*s8 peak:     ", "u8s8")):
+                             ("int8", "u8*s8 peak:     ", "u8s8"),
+                             ("int4", "u4*s8 peak:     ", "u4s8")):
         probe = lim.get(key)
         if probe:
             out.append(_limits_line(label, probe["samples_gops"], "GOP/s",
@@ -278,7 +281,7 @@ def _limit_lines(lim: dict, used_by: Dict[str, List[str]], tier: str) -> List[st
 
 
 def _limits_json(lim: dict) -> dict:
-    bw, fma, i8, bf = lim["read"], lim["fma"], lim["int8"], lim.get("bf16")
+    bw, fma, i8, bf, i4 = lim["read"], lim["fma"], lim["int8"], lim.get("bf16"), lim.get("int4")
     return {"threads": lim["threads"], "read_gbps": max(bw["samples_gbps"]),
             "read_samples_gbps": bw["samples_gbps"],
             "fma_peak_gflops": max(fma["samples_gflops"]),
@@ -286,7 +289,9 @@ def _limits_json(lim: dict) -> dict:
             "int8_peak_gops": max(i8["samples_gops"]) if i8 else None,
             "int8_samples_gops": i8["samples_gops"] if i8 else None,
             "bf16_peak_gops": max(bf["samples_gops"]) if bf else None,
-            "bf16_samples_gops": bf["samples_gops"] if bf else None}
+            "bf16_samples_gops": bf["samples_gops"] if bf else None,
+            "int4_peak_gops": max(i4["samples_gops"]) if i4 else None,
+            "int4_samples_gops": i4["samples_gops"] if i4 else None}
 
 
 
@@ -365,7 +370,8 @@ def summary_lines(plan: "RunPlan", cases: List[dict], limits: Limits, limits_end
     lines = [drift_line("streaming read", limits.read_gbps, limits_end.read_gbps, "GB/s", 1)]
     for what, field, unit in (("fp32 FMA peak", "fma_gflops", "GFLOP/s"),
                               ("u8*s8 peak", "int8_gops", "GOP/s"),
-                              ("bf16 peak", "bf16_gops", "GOP/s")):
+                              ("bf16 peak", "bf16_gops", "GOP/s"),
+                              ("u4*s8 peak", "int4_gops", "GOP/s")):
         start, end = getattr(limits, field), getattr(limits_end, field)
         if start and end:
             lines.append(drift_line(what, start, end, unit))
@@ -450,7 +456,7 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
     ``interleaved``, ``wall_seconds``, ``timestamp``."""
     main = limits_by_threads[plan.threads]
     limits, bw0, fma, i8 = main["limits"], main["read"], main["fma"], main["int8"]
-    bf = main.get("bf16")
+    bf, i4 = main.get("bf16"), main.get("int4")
     end = limits_end  # the best runs of read_end's and peaks_end's samples
     machine = dict(info)
     machine.update({
@@ -472,12 +478,18 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
         "bf16_peak_gops": limits.bf16_gops,
         "bf16_statistic": "best of runs" if bf else None,
         "bf16_samples_gops": bf["samples_gops"] if bf else None,
+        "int4_peak_gops": limits.int4_gops,
+        "int4_statistic": "best of runs" if i4 else None,
+        "int4_samples_gops": i4["samples_gops"] if i4 else None,
         "fma_peak_gflops_end": end.fma_gflops,
         "fma_samples_gflops_end": peaks_end["fma"]["samples_gflops"],
         "int8_peak_gops_end": end.int8_gops,
         "int8_samples_gops_end": peaks_end["int8"]["samples_gops"] if peaks_end["int8"] else None,
         "bf16_peak_gops_end": end.bf16_gops,
         "bf16_samples_gops_end": peaks_end["bf16"]["samples_gops"] if peaks_end["bf16"] else None,
+        "int4_peak_gops_end": end.int4_gops,
+        "int4_samples_gops_end": (peaks_end["int4"]["samples_gops"] if peaks_end.get("int4")
+                                  else None),
         "limits_by_threads": [_limits_json(limits_by_threads[c]) for c in args.threads],
         "capped_baseline": None if capped is None else {
             "isa": capped["isa"], "onednn_isa": capped["onednn_isa"],

@@ -59,9 +59,12 @@ WeightGenerator = Callable[[torch.Tensor, torch.Tensor, torch.Generator, bool], 
 # bf16 weights and FP8 or MXFP4 decoded to bf16; the fp32 FMA loop on the tiers that widen
 # bf16),
 # with fp16 activations against the fp32 FMA peak (fp16 is widened to fp32 on every tier).
-# INT8 and INT4 run u8*s8 dot products whatever the activation dtype.
+# INT8 runs u8*s8 dot products whatever the activation dtype; INT4 its own loop of 4-bit
+# weights by s8 activations (the u8*s8 loop on the tiers whose INT4 kernels run the same
+# instruction; avx2's vpmaddubsw of nibbles does twice the products of its INT8 loop).
 FLOAT_PEAKS = {"bf16": "bf16", "fp16": "fp32_fma"}
 U8S8_PEAKS = {"bf16": "u8s8", "fp16": "u8s8"}
+U4S8_PEAKS = {"bf16": "u4s8", "fp16": "u4s8"}
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,8 @@ class Scheme:
         return self.name in DTYPES
 
     def peak_kind(self, dtype) -> str:
-        """The compute ceiling (``"fp32_fma"``, ``"bf16"`` or ``"u8s8"``) of this scheme's
-        rows with activations of ``dtype`` (a name of DTYPES or a torch dtype; bf16 and fp16
+        """The compute ceiling (``"fp32_fma"``, ``"bf16"``, ``"u8s8"`` or ``"u4s8"``) of this
+        scheme's rows with activations of ``dtype`` (a name of DTYPES or a torch dtype; bf16 and fp16
         fix their own, as in :class:`ExpertWeights`)."""
         return self.peak_kinds[self.name if self.float_weights else _dtype_name(dtype)]
 
@@ -232,7 +235,7 @@ SCHEMES: Dict[str, Scheme] = {s.name: s for s in (
            "128x128 block scales", FLOAT_PEAKS, _fp8_weights),
     Scheme("int4", MoeCompMethod.INT4_W4A8, "INT4 W4A8 (moe_comp_method=3): AWQ int4 weights, "
            "groups of 128 (64 or 32 where K or N needs it), activations quantized per token",
-           U8S8_PEAKS, _int4_weights, "int4pack", _int4_unavailable),
+           U4S8_PEAKS, _int4_weights, "int4pack", _int4_unavailable),
     Scheme("mxfp4", MoeCompMethod.MXFP4, "MXFP4 (moe_comp_method=4, gpt-oss): e2m1 weights, an "
            "e8m0 scale per 32 input features, decoded exactly to bf16", FLOAT_PEAKS,
            _mxfp4_weights),

@@ -122,6 +122,7 @@ def run_case(
     fma_peak_gflops: Optional[float] = None,
     int8_peak_gops: Optional[float] = None,
     bf16_peak_gops: Optional[float] = None,
+    int4_peak_gops: Optional[float] = None,
     scaling_threads: Sequence[int] = (),
     scaling_limits: Optional[Dict[int, Limits]] = None,
     seed: int = 0,
@@ -147,8 +148,8 @@ def run_case(
     the baselines read one copy (which, if anything, favours them).
     ``capped`` is this case's result from :func:`run_capped_baseline`, if any. ``ms`` is
     the median. Fractions and the bound are filled in when ``limits`` (or ``read_gbps`` and
-    the peak of the row's ``peak_kind``: ``fma_peak_gflops``, ``bf16_peak_gops`` or
-    ``int8_peak_gops``) are given, else None; the kind follows the scheme and the activation
+    the peak of the row's ``peak_kind``: ``fma_peak_gflops``, ``bf16_peak_gops``,
+    ``int8_peak_gops`` or ``int4_peak_gops``) are given, else None; the kind follows the scheme and the activation
     dtype (:meth:`Scheme.peak_kind`).
     For each count in ``scaling_threads`` cpumoe is timed again with that many torch
     threads (``thread_scaling``; its bound fraction against ``scaling_limits[count]``).
@@ -159,7 +160,8 @@ def run_case(
         raise ValueError(f"M must be positive, got {M}")
     scheme, dname, weights = _case_weights(shape, dtype, scheme, weights, seed)
     if limits is None:
-        limits = Limits(read_gbps, fma_peak_gflops, int8_peak_gops, bf16_peak_gops)
+        limits = Limits(read_gbps, fma_peak_gflops, int8_peak_gops, bf16_peak_gops,
+                        int4_peak_gops)
     report = progress or (lambda frac, text: None)
     label = f"{shape.name} {scheme} M={M}"
     g, x, warm = _case_inputs(shape, M, weights.dtype, seed)
