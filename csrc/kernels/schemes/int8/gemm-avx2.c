@@ -12,9 +12,13 @@
  *
  * Tile 4 x 8 per pass, four passes for 32 columns: a 32-byte B load holds 8 columns x 4 k;
  * sign-extended it is 2 ymm of int16 (columns 0-3 and 4-7, each column's 4 k in 4 int16).
- * Row r's 4 u8 are zero-extended once into a 64-bit pattern and broadcast; vpmaddwd then
- * gives two int32 partial sums per column, folded with vphaddd at the end.
- * 4 rows x 2 accumulators + 2 B + 1 A = 11 of 16 ymm.
+ * Row r's 4 u8 are zero-extended into a 64-bit pattern and broadcast; vpmaddwd then gives
+ * two int32 partial sums per column, folded with vphaddd at the end.
+ * 4 rows x 2 accumulators + 2 B + 1 A = 11 of 16 ymm. The rows are widened once per stretch
+ * of 128 k quads into a stack buffer that all four passes broadcast from (a load each, where
+ * widening in each pass cost 3 shuffle-port ops per row and quad), and the stretch's 16 KiB
+ * of weights stay in L1 across the passes; the accumulators are pinned to their registers
+ * (cm_keep_in_registers2__avx2). Qwen3 M = 512: 0.770x the time (docs/PERFORMANCE-HISTORY.md).
  *
  * Decode kernel (blocks of up to 2 rows, where the weights stream from memory once and are
  * the whole cost): the four passes would read each 64-byte line in two halves, one pass
@@ -31,10 +35,16 @@
 
 #define MR 4
 
-static inline __attribute__((always_inline)) __m256i widen_a(const uint8_t *p) {
+/* a row's k quad (4 u8) zero-extended to 4 int16 in the low 64 bits */
+static inline __attribute__((always_inline)) __m128i widen_a(const uint8_t *p) {
   int32_t v;
   memcpy(&v, p, 4);
-  return _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(v)));
+  return _mm_cvtepu8_epi16(_mm_cvtsi32_si128(v));
+}
+
+/* the same broadcast to the 4 quadwords of a ymm */
+static inline __attribute__((always_inline)) __m256i widen_a_all(const uint8_t *p) {
+  return _mm256_broadcastq_epi64(widen_a(p));
 }
 
 /* 8 columns' int32 sums in the lane order 0,1,4,5 | 2,3,6,7 (what vphaddd of the pair-sum
@@ -46,29 +56,28 @@ static inline __attribute__((always_inline)) void store_sums(int32_t *out, __m25
   _mm256_storeu_si256((__m256i *)out, v);
 }
 
-/* 8 columns [col0, col0 + 8) over the chunk */
-static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_t kc,
-                                                             const uint8_t *restrict a, size_t as,
-                                                             const int8_t *restrict b,
-                                                             int32_t *restrict acc, int accumulate,
-                                                             int col0, cm_prefetch_cursor *pf) {
+/* 8 columns [col0, col0 + 8) over `quads` k quads; a16[kq * mr + r] is row r's k quad kq
+ * zero-extended to 4 int16 */
+static inline __attribute__((always_inline)) void gemm_cols8(
+    const int mr, size_t quads, const int64_t *restrict a16, const int8_t *restrict b,
+    int32_t *restrict acc, int accumulate, int col0, cm_prefetch_cursor *pf, size_t pf_steps) {
   __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++) {
     acc0[r] = _mm256_setzero_si256();
     acc1[r] = _mm256_setzero_si256();
   }
-  for (size_t kq = 0; kq < kc / 4; kq++) {
-    cm_prefetch_step(pf, CM_NR / 8 * (kc / 4));
+  for (size_t kq = 0; kq < quads; kq++) {
+    cm_prefetch_step(pf, pf_steps);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
     const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
     const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-    const uint8_t *ak = a + kq * as * 4;
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
-      const __m256i x = widen_a(ak + 4 * r);
+      const __m256i x = _mm256_set1_epi64x(a16[kq * (size_t)mr + (size_t)r]); /* a load */
       acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(x, b0));
       acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(x, b1));
+      cm_keep_in_registers2__avx2(&acc0[r], &acc1[r]);
     }
   }
 #pragma GCC unroll 4
@@ -78,13 +87,29 @@ static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_
   }
 }
 
+#define A16_QUADS 128 /* k quads widened at a time: 4 KiB of int16 rows on the stack */
+
+/* The four 8-column passes over each stretch of A16_QUADS k quads, whose rows are widened
+ * to int16 once for all four passes (each broadcast is then a load, not 3 shuffle-port ops
+ * per pass) and whose 16 KiB of weights stay in L1 from the first pass to the last. */
 static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t kc,
                                                             const uint8_t *a, size_t as,
                                                             const int8_t *b, int32_t *acc,
                                                             int accumulate, cm_prefetch prefetch) {
-  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over the four passes */
-  for (int col0 = 0; col0 < CM_NR; col0 += 8)
-    gemm_cols8(mr, kc, a, as, b, acc, accumulate, col0, &pf);
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over every pass */
+  const size_t pf_steps = CM_NR / 8 * (kc / 4);
+  int64_t a16[A16_QUADS * MR];
+  for (size_t kq0 = 0; kq0 < kc / 4; kq0 += A16_QUADS) {
+    const size_t quads = kc / 4 - kq0 < A16_QUADS ? kc / 4 - kq0 : A16_QUADS;
+    for (size_t kq = 0; kq < quads; kq++)
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
+        const __m128i x = widen_a(a + ((kq0 + kq) * as + (size_t)r) * 4);
+        a16[kq * (size_t)mr + (size_t)r] = _mm_cvtsi128_si64(x);
+      }
+    for (int col0 = 0; col0 < CM_NR; col0 += 8)
+      gemm_cols8(mr, quads, a16, b + kq0 * 128, acc, accumulate || kq0 > 0, col0, &pf, pf_steps);
+  }
   cm_prefetch_finish(&pf);
 }
 
@@ -112,7 +137,7 @@ static inline __attribute__((always_inline)) void decode_row(size_t kc, const ui
   for (size_t kq = 0; kq < kc / 4; kq++) {
     const int8_t *bk = b + kq * 128;
     cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 2);
-    const __m256i x = widen_a(a + kq * as * 4);
+    const __m256i x = widen_a_all(a + kq * as * 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
       lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(x, widen_b(bk + 32 * j)));
@@ -137,7 +162,7 @@ static inline __attribute__((always_inline)) void decode_rows2(size_t kc, const 
   for (size_t kq = 0; kq < kc / 4; kq++) {
     const int8_t *bk = b + kq * 128;
     cm_prefetch_ahead(bk, CM_DECODE_PF_L1_BYTES_AVX2, CM_DECODE_PF_L2_BYTES_AVX2, 2);
-    const __m256i x0 = widen_a(a + kq * as * 4), x1 = widen_a(a + kq * as * 4 + 4);
+    const __m256i x0 = widen_a_all(a + kq * as * 4), x1 = widen_a_all(a + kq * as * 4 + 4);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
       const __m256i b0 = widen_b(bk + 32 * j), b1 = widen_b(bk + 32 * j + 16);
