@@ -127,7 +127,8 @@ def test_quantize_int4_round_trip(fmt):
 
 # (M, E, topk, N, K, group, dtype, fmt): every M meets decode (<= 4 rows per expert) and
 # prefill (several panels per expert) blocks; groups 32, 64, 128, 256 and 384 (bk 128 with
-# two and three blocks per group); both formats and dtypes
+# two and three blocks per group), and 24 (6 k-quads: not a whole number of the 4-quad int16
+# runs of avx2's prefill GEMM); both formats and dtypes
 CASES = [
     (1, 1, 1, 32, 128, 32, "bf16", "awq"),
     (3, 8, 2, 64, 256, 64, "fp16", "gptq"),
@@ -137,6 +138,7 @@ CASES = [
     (130, 4, 1, 128, 512, 256, "fp16", "awq"),
     (17, 3, 3, 64, 128, 64, "bf16", "awq"),
     (4, 4, 2, 384, 768, 384, "bf16", "gptq"),
+    (39, 4, 2, 96, 192, 24, "fp16", "awq"),
 ]
 
 

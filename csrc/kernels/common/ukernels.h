@@ -449,6 +449,8 @@ void cm_u8s8_gemm_decode_mrx32__avx2(size_t, size_t, const uint8_t *, size_t, co
                                      int32_t *, int, cm_prefetch);
 void cm_int4_gemm_decode_1x32__avx2(size_t, const cm_int4_tile *, size_t, size_t, const uint8_t *,
                                     size_t, const int32_t *, float *, int);
+void cm_int4_unpacked_gemm_s32acc_mrx32__avx2(size_t, size_t, const uint8_t *, size_t,
+                                              const int8_t *, int32_t *, int, cm_prefetch);
 void cm_fp8_gemm_decode_mrx32__avx2(size_t, size_t, const void *, size_t, const uint8_t *,
                                     const float *, float *, int);
 double cm_probe_int4_loop__avx2(int64_t);

@@ -29,8 +29,6 @@
 /* Rows the decode kernels of FP8 (every tier) and INT4 (avx512) take: up to 4 rows of
  * accumulators beside the weights they expand in registers. */
 #define CM_DECODE_MAX_ROWS 4
-/* decode_max_rows that sends every block to the decode kernel (INT4 only: see cm_gemm_config) */
-#define CM_DECODE_EVERY_BLOCK SIZE_MAX
 
 #define CM_ELEMENTWISE_KERNELS(tier)                     \
   ((cm_elementwise_kernels){                             \
@@ -153,17 +151,16 @@ static void cm_config_init__scalar(cm_tier_config *c) {
 
 /* Rows of the avx2 one-pass decode kernels: bf16/fp16 keep 4 fp32 chains per row for up to
  * 2 rows in 16 ymm, INT8 up to 2 rows (8 int32 accumulators for 1, 4 per row for 2). INT4's
- * kernel takes every block, a panel at a time and its rows two at a time (int4/gemm-avx2.c):
- * its vpmaddubsw on nibbles (exact: a pair sums to at most 2 x 15 x 128) does twice the
- * products per instruction of the widening vpmaddwd the unpack path's u8 x s8 tile needs for
- * full-range int8, and the nibbles it reads again per row pair come from L1. Measured with
- * rows one at a time (the pairs came after), Qwen3 on the
- * AMX Xeon capped to avx2, paired A/Bs against blocks of 1 row: M = 4 0.906, M = 16 0.737
- * (2 rows) and 0.888 more (4 rows), M = 64 0.695 more (every block against 4 rows), M = 512
- * 0.539 (docs/PERFORMANCE-HISTORY.md, "INT4 on avx2: every block on the decode kernel"). */
+ * decode kernel (nibbles split in registers, a row pair sharing each split) takes blocks of up
+ * to 2 rows; larger blocks unpack each chunk once and run vpmaddubsw on the unpacked tile
+ * (int4/gemm-avx2.c), with no split per row pair. Both use vpmaddubsw, twice the products per
+ * instruction of the INT8 tile's widened vpmaddwd. Qwen3 on the AMX Xeon capped to avx2,
+ * paired A/Bs against every block on the decode kernel: M = 512 0.831, M = 64 0.946 (blocks
+ * of up to 4 rows on it: 0.992; of 1 row against 2: 0.995) (docs/PERFORMANCE-HISTORY.md,
+ * "INT4 on avx2: the unpacked tile on vpmaddubsw"). */
 #define CM_AVX2_UNQUANT_DECODE_ROWS 2
 #define CM_AVX2_INT8_DECODE_ROWS 2
-#define CM_AVX2_INT4_DECODE_ROWS CM_DECODE_EVERY_BLOCK
+#define CM_AVX2_INT4_DECODE_ROWS 2
 #define CM_AVX2_FP8_DECODE_ROWS 2   /* 4 accumulators a row beside the decoded weights */
 #define CM_AVX2_MXFP4_DECODE_ROWS 2 /* 4 accumulators per row for the 32 columns in one pass */
 /* g takes blocks of up to max_rows rows on its decode kernel, with panels in `format` */
@@ -183,8 +180,11 @@ static void cm_config_init__avx2(cm_tier_config *c) {
         act == CM_BF16 ? cm_bf16_gemm_decode_mrx32__avx2 : cm_f16_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_INT8][act], CM_AVX2_INT8_DECODE_ROWS, CM_PANEL_U8_QUADS)
         ->kernels.int8.gemm_decode = cm_u8s8_gemm_decode_mrx32__avx2;
-    with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
-        ->kernels.int4.gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+    cm_int4_kernels *int4 =
+        &with_decode(&c->gemm[CM_INT4][act], CM_AVX2_INT4_DECODE_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
+             ->kernels.int4;
+    int4->gemm_decode = cm_int4_gemm_decode_1x32__avx2;
+    int4->gemm_u8s8 = cm_int4_unpacked_gemm_s32acc_mrx32__avx2;
     with_decode(&c->gemm[CM_FP8][act], CM_AVX2_FP8_DECODE_ROWS, CM_PANEL_F32)
         ->kernels.fp8.gemm_decode = cm_fp8_gemm_decode_mrx32__avx2;
     with_decode(&c->gemm[CM_MXFP4][act], CM_AVX2_MXFP4_DECODE_ROWS, CM_PANEL_F32);

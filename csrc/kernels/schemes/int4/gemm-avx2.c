@@ -2,17 +2,27 @@
  * AVX2 micro-kernels for INT4 W4A8 (contracts: common/ukernels.h, layout: common/int4.h):
  * the decode-path GEMM that expands nibbles in registers, a panel's rows two at a time,
  * the unpacking of packed blocks into s8 VNNI-4 tiles of w - zero for the prefill path, and
- * the per-block fold of the exact int32 sums into the fp32 tile. The prefill path's integer
- * GEMM is the INT8 tier's (schemes/int8/gemm-avx2.c, exact int16 widening); on avx2 every
- * block takes the decode path instead (dispatch/config.c: twice the products per instruction,
- * the nibbles read again per row from L1), on avx2vnni the prefill path's vpdpbusd tile.
+ * the prefill path's GEMM on those tiles, and the per-block fold of the exact int32 sums into
+ * the fp32 tile. Blocks of up to 2 rows take the decode path, larger ones the prefill path
+ * (dispatch/config.c); avx2vnni runs its own vpdpbusd tile on the unpacked tiles instead.
+ *
+ * Prefill GEMM (cm_int4_unpacked_gemm_s32acc_mrx32__avx2): an unpacked tile holds w - zero,
+ * |.| <= 15, so vpmaddubsw can take it as its signed operand and the u8 activations (q + 128)
+ * as the unsigned one: each int16 lane is a0 w0 + a1 w1 with |.| <= 2 * 255 * 15 = 7650,
+ * exact, and CM_INT4_TILE_I16_QUADS = 4 k-quads add up in int16 (|.| <= 30600 < 2^15) before
+ * vpmaddwd with ones widens them. Its sums equal the u8 x s8 GEMM's, which full-range int8
+ * needs widened to int16 for vpmaddwd (int8/gemm-avx2.c): half the products per instruction.
+ * A row at a time, the weights as the instruction's memory operand (the tile stays in L1):
+ * per k-quad one broadcast, 4 vpmaddubsw and 4 vpaddw, and per 4 quads 4 vpmaddwd and 4 vpaddd.
+ * No nibble split per row pair as in the decode kernel: Qwen3 M = 512 0.831x the time of every
+ * block on the decode kernel.
  *
  * Unpacking: the first 32 bytes of a packed k-quad are dword lanes 0..7, whose low nibbles
  * are columns 0..7 and high nibbles columns 8..15; the next 32 bytes give columns 16..23
  * and 24..31. So each ymm splits into two natural 32-byte runs of the VNNI-4 tile, with no
  * lane shuffle: low = v & 15, high = (v >> 4) & 15, each minus its columns' zero points.
  *
- * Decode (one row at a time; at decode the weights stream once and are the whole cost): the nibbles
+ * Decode (at decode the weights stream once and are the whole cost): the nibbles
  * are vpmaddubsw's unsigned operand as they are and the activations q = (q + 128) ^ 0x80 its
  * signed one, so each int16 lane is w0 q0 + w1 q1 with |.| <= 2 * 15 * 128 = 3840, exact and
  * never saturated. CM_INT4_I16_QUADS = 8 k-quads add up in int16 (|.| <= 30720 < 2^15)
@@ -26,7 +36,9 @@
  * share each load and nibble split (about a fifth fewer ops per row): 8 int16 accumulators, 2
  * activations, the split and the masks stay in registers, while the int32 sums (touched every
  * 8 k-quads) and the fp32 outputs (every block) go to the stack. Against one row at a time:
- * Qwen3 M = 512 on avx2 0.794 (docs/PERFORMANCE-HISTORY.md).
+ * Qwen3 M = 512 on avx2 0.794 (docs/PERFORMANCE-HISTORY.md). The int16 sums are pinned to
+ * their registers after each update (cm_keep_in_registers2__avx2): without it GCC spilled two
+ * of them and copied the rest at every quad (time level, fewer instructions).
  */
 #include <immintrin.h>
 #include <string.h>
@@ -72,6 +84,7 @@ static inline __attribute__((always_inline)) void block_sums_maddubs(
           sum16[r][2 * h] = _mm256_add_epi16(sum16[r][2 * h], _mm256_maddubs_epi16(lo, x[r]));
           sum16[r][2 * h + 1] =
               _mm256_add_epi16(sum16[r][2 * h + 1], _mm256_maddubs_epi16(hi, x[r]));
+          cm_keep_in_registers2__avx2(&sum16[r][2 * h], &sum16[r][2 * h + 1]);
         }
       }
     }
@@ -86,6 +99,66 @@ void cm_int4_gemm_decode_1x32__avx2(size_t mr, const cm_int4_tile *w, size_t kb0
                                     int accumulate) {
   CM_EXPECT(mr >= 1 && mr <= CM_TILE_MR_AVX2);
   CM_INT4_DECODE_PANEL_AVX2(block_sums_maddubs, mr, w, kb0, nb, a, as, q_sums, c, accumulate);
+}
+
+#define CM_INT4_TILE_I16_QUADS 4 /* k quads summed in int16 before widening (header) */
+
+/* sum16[j] += the products of one k quad of a row (4 u8 at a) and columns 8j..8j+7 of b */
+static inline __attribute__((always_inline)) void unpacked_quad(const uint8_t *a, const int8_t *b,
+                                                                __m256i sum16[4]) {
+  int32_t a4;
+  memcpy(&a4, a, 4);
+  const __m256i x = _mm256_set1_epi32(a4);
+  for (int j = 0; j < 4; j++)
+    sum16[j] = _mm256_add_epi16(
+        sum16[j], _mm256_maddubs_epi16(x, _mm256_loadu_si256((const __m256i *)(b + 32 * j))));
+  cm_keep_in_registers2__avx2(&sum16[0], &sum16[1]);
+  cm_keep_in_registers2__avx2(&sum16[2], &sum16[3]);
+}
+
+/* One row of the unpack path's u8 x s8 GEMM on an unpacked tile (|w - zero| <= 15): the
+ * activations (u8) are vpmaddubsw's unsigned operand, broadcast, and the weights its signed
+ * one, read from L1 by the instruction; 4 int16 sums, 4 int32 sums, x: 9 ymm. The int16 stage
+ * is a fixed run of CM_INT4_TILE_I16_QUADS quads (GCC copies the sums of a loop of varying
+ * length through other registers at every step), the rest one quad at a time. */
+static inline __attribute__((always_inline)) void unpacked_row(size_t quads, const uint8_t *a,
+                                                               size_t as, const int8_t *b,
+                                                               int32_t *acc, int accumulate) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum32[4];
+  for (int j = 0; j < 4; j++)
+    sum32[j] =
+        accumulate ? _mm256_loadu_si256((const __m256i *)(acc + 8 * j)) : _mm256_setzero_si256();
+  size_t kq = 0;
+  for (; kq + CM_INT4_TILE_I16_QUADS <= quads; kq += CM_INT4_TILE_I16_QUADS) {
+    __m256i sum16[4];
+    for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int i = 0; i < CM_INT4_TILE_I16_QUADS; i++)
+      unpacked_quad(a + (kq + (size_t)i) * as * 4, b + (kq + (size_t)i) * 4 * CM_NR, sum16);
+    for (int j = 0; j < 4; j++)
+      sum32[j] = _mm256_add_epi32(sum32[j], _mm256_madd_epi16(sum16[j], ones));
+  }
+  for (; kq < quads; kq++) {
+    __m256i sum16[4];
+    for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
+    unpacked_quad(a + kq * as * 4, b + kq * 4 * CM_NR, sum16);
+    for (int j = 0; j < 4; j++)
+      sum32[j] = _mm256_add_epi32(sum32[j], _mm256_madd_epi16(sum16[j], ones));
+  }
+  for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(acc + 8 * j), sum32[j]);
+}
+
+void cm_int4_unpacked_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, size_t as,
+                                              const int8_t *b, int32_t *acc, int accumulate,
+                                              cm_prefetch prefetch) {
+  CM_EXPECT(kc % 4 == 0 && as >= mr);
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* a share per row */
+  for (size_t r = 0; r < mr; r++) {
+    cm_prefetch_step(&pf, mr);
+    unpacked_row(kc / 4, a + 4 * r, as, b, acc + r * CM_NR, accumulate);
+  }
+  cm_prefetch_finish(&pf);
 }
 
 void cm_int4_unpack__avx2(const cm_int4_tile *w, size_t kb0, size_t nb, int8_t *dst) {
