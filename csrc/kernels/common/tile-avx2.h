@@ -13,7 +13,8 @@
 #include "common/ukernels.h"
 
 #define CM_TILE_MR_AVX2 4
-#define CM_TILE_MR_AVX2VNNI 6 /* the INT8 (and INT4 prefill) tile of avx2vnni */
+#define CM_TILE_MR_AVX2VNNI 6  /* the INT8 (and INT4 prefill) tile of avx2vnni */
+#define CM_TILE_MR_AVX2_BF16 6 /* avx2's bf16-weight tile (unquant/gemm-avx2.c) */
 
 #define CM_INLINE static inline __attribute__((always_inline))
 
@@ -41,7 +42,7 @@ CM_INLINE void cm_keep_in_registers2__avx2(__m256i *a, __m256i *b) {
 /* acc = C[:, col0..col0+16) (accumulate) or +0 */
 CM_INLINE void cm_tile_load__avx2(const int mr, __m256 *acc0, __m256 *acc1, const float *c,
                                   int col0, int accumulate) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
     acc0[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0) : _mm256_setzero_ps();
     acc1[r] = accumulate ? _mm256_loadu_ps(c + r * CM_NR + col0 + 8) : _mm256_setzero_ps();
@@ -51,7 +52,7 @@ CM_INLINE void cm_tile_load__avx2(const int mr, __m256 *acc0, __m256 *acc1, cons
 /* one k: acc[r] += a[r] * (b0 | b1), the A strip of that k broadcast per row */
 CM_INLINE void cm_tile_fma_k__avx2(const int mr, __m256 *acc0, __m256 *acc1, __m256 b0, __m256 b1,
                                    const float *a_k) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
     const __m256 x = _mm256_broadcast_ss(a_k + r);
     acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
@@ -61,7 +62,7 @@ CM_INLINE void cm_tile_fma_k__avx2(const int mr, __m256 *acc0, __m256 *acc1, __m
 
 CM_INLINE void cm_tile_store__avx2(const int mr, const __m256 *acc0, const __m256 *acc1, float *c,
                                    int col0) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
     _mm256_storeu_ps(c + r * CM_NR + col0, acc0[r]);
     _mm256_storeu_ps(c + r * CM_NR + col0 + 8, acc1[r]);
