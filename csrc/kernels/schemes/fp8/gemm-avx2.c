@@ -26,6 +26,10 @@
  * a lane extract, and both take the shuffle port). Registers for 2 rows: 4 accumulators a row,
  * the 4 decoded vectors of one half and 2 broadcasts = 14 ymm. Prefill tiles 4 x 16 (two
  * passes for 32 columns, as unquant/gemm-avx2.c) and the chunk conversion take the exact route.
+ * The avx2 tier's prefill is the chunk path: chunks converted once to fp32, then a 6 x 16 fp32
+ * tile (CM_TILE_MR_AVX2_F32: 12 accumulators, 2 B vectors, a broadcast = 15 ymm, where 4 rows'
+ * 8 accumulators match the FMA latency x ports with no slack). Against 4 rows, Qwen3 on the AMX
+ * Xeon capped to avx2: M = 512 0.844, M = 64 0.966 (docs/PERFORMANCE-HISTORY.md).
  */
 #include <immintrin.h>
 
@@ -182,7 +186,7 @@ static inline __attribute__((always_inline)) void gemm_f32b_half(const int mr, s
                                                                  const float *restrict b,
                                                                  float *restrict c, int accumulate,
                                                                  int col0) {
-  __m256 acc0[MR], acc1[MR];
+  __m256 acc0[CM_TILE_MR_AVX2_F32], acc1[CM_TILE_MR_AVX2_F32];
   cm_tile_load__avx2(mr, acc0, acc1, c, col0, accumulate);
   for (size_t k = 0; k < kc; k++)
     cm_tile_fma_k__avx2(mr, acc0, acc1, _mm256_loadu_ps(b + k * CM_NR + col0),
@@ -217,7 +221,7 @@ void cm_f32_gemm_f32acc_mrx32__avx2(size_t mr, size_t kc, const void *a, size_t 
                                     float *c, int accumulate, cm_prefetch prefetch) {
   (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(as >= mr);
-  CM_MR_SWITCH4(gemm_f32b_body, kc, (const float *)a, as, (const float *)b, c, accumulate)
+  CM_MR_SWITCH6(gemm_f32b_body, kc, (const float *)a, as, (const float *)b, c, accumulate)
 }
 
 void cm_fp8_to_f32__avx2(size_t kc, const uint8_t *b, void *out) {
