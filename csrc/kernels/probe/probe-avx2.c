@@ -44,6 +44,19 @@ double cm_probe_fma_loop__avx2(int64_t iterations) {
   return (double)iterations * 12.0 * 8.0 * 2.0;
 }
 
+/* the integer chains' sum into the sink, so the loops are not dropped */
+static void sink_int_chains(__m256i c0, __m256i c1, __m256i c2, __m256i c3, __m256i c4, __m256i c5,
+                            __m256i c6, __m256i c7, __m256i c8, __m256i c9, __m256i c10,
+                            __m256i c11) {
+  const __m256i sum = _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
+      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
+  int out[8];
+  _mm256_storeu_si256((__m256i *)out, sum);
+  cm_probe_sink_avx2 = out[0];
+}
+
 /* int8 peak of this tier's exact method (schemes/int8/gemm-avx2.c): vpmaddwd + vpaddd on
  * int16-widened operands; 8 lanes x 2 products x 2 ops = 32 ops per pair. */
 double cm_probe_int8_loop__avx2(int64_t iterations) {
@@ -55,13 +68,7 @@ double cm_probe_int8_loop__avx2(int64_t iterations) {
     CM_CHAINS12(CM_MADD);
   }
 #undef CM_MADD
-  const __m256i sum = _mm256_add_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
-                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
-      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
-  int out[8];
-  _mm256_storeu_si256((__m256i *)out, sum);
-  cm_probe_sink_avx2 = out[0];
+  sink_int_chains(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11);
   return (double)iterations * 12.0 * 32.0;
 }
 
@@ -84,12 +91,6 @@ double cm_probe_int4_loop__avx2(int64_t iterations) {
   }
 #undef CM_WIDEN
 #undef CM_MADDUBS
-  const __m256i sum = _mm256_add_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
-                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7))),
-      _mm256_add_epi32(_mm256_add_epi32(c8, c9), _mm256_add_epi32(c10, c11)));
-  int out[8];
-  _mm256_storeu_si256((__m256i *)out, sum);
-  cm_probe_sink_avx2 = out[0];
+  sink_int_chains(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11);
   return (double)iterations * 12.0 * 8.0 * 64.0;
 }
