@@ -24,11 +24,11 @@
 #define CM_TILE_MR_SCALAR 4
 #define CM_TILE_MR_AVX2 4
 #define CM_TILE_MR_AVX2VNNI 6
-/* avx2's bf16 tile: 6 rows x 16 columns, 12 accumulators, even and odd k widened apart
- * (unquant/gemm-avx2.c), also MXFP4's chunks decoded to bf16. Qwen3 on the AMX Xeon capped to
- * avx2, paired against 4 rows: bf16 M = 512 0.954, M = 64 0.927; MXFP4 M = 512 0.951
- * (docs/PERFORMANCE-HISTORY.md). */
-#define CM_TILE_MR_AVX2_BF16 6
+/* avx2's 16-bit-weight tile: 6 rows x 16 columns, 12 accumulators, even and odd k widened
+ * apart (unquant/gemm-avx2.c), also MXFP4's chunks decoded to bf16. Qwen3 on the AMX Xeon capped
+ * to avx2, paired against 4 rows: bf16 M = 512 0.954, M = 64 0.927; MXFP4 M = 512 0.951; fp16
+ * M = 512 0.882, M = 64 0.942 (docs/PERFORMANCE-HISTORY.md). */
+#define CM_TILE_MR_AVX2_16BIT 6
 /* avx2's fp32-weight tile (FP8's chunks decoded once, fp8/gemm-avx2.c): 6 x 16, 12 accumulators
  * beside 2 B vectors and a broadcast. Against 4 rows: M = 512 0.844, M = 64 0.966. */
 #define CM_TILE_MR_AVX2_F32 6
@@ -182,10 +182,10 @@ static void cm_config_init__avx2(cm_tier_config *c) {
   CM_OVERRIDE_EVERY_KERNEL(c, avx2);
   c->probes.int4 = cm_probe_int4_loop__avx2; /* its INT4 kernels run vpmaddubsw on nibbles */
   CM_FOR_EACH_GEMM(c, g) g->mr = CM_TILE_MR_AVX2;
-  c->gemm[CM_UNQUANT][CM_BF16].mr = CM_TILE_MR_AVX2_BF16;
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
-    c->gemm[CM_FP8][act].mr = CM_TILE_MR_AVX2_F32;    /* chunks decoded to fp32 */
-    c->gemm[CM_MXFP4][act].mr = CM_TILE_MR_AVX2_BF16; /* chunks decoded to bf16 */
+    c->gemm[CM_UNQUANT][act].mr = CM_TILE_MR_AVX2_16BIT;
+    c->gemm[CM_FP8][act].mr = CM_TILE_MR_AVX2_F32;     /* chunks decoded to fp32 */
+    c->gemm[CM_MXFP4][act].mr = CM_TILE_MR_AVX2_16BIT; /* chunks decoded to bf16 */
   }
   for (int act = 0; act < CM_ACT_DTYPE_COUNT; act++) {
     with_decode(&c->gemm[CM_UNQUANT][act], CM_AVX2_UNQUANT_DECODE_ROWS, CM_PANEL_F32)

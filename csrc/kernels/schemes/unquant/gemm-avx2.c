@@ -1,7 +1,7 @@
 /*
  * AVX2 + FMA + F16C GEMM micro-kernels for 16-bit (bf16 / fp16) weights.
  *
- * C[mr][32] = A_panel[k][a_stride] x B_tile[k/2][32][2], mr <= 6 for bf16, 4 for fp16 (layouts:
+ * C[mr][32] = A_panel[k][a_stride] x B_tile[k/2][32][2], mr <= 6 (layouts:
  * common/ukernels.h). The 32 columns are done as two passes of 16, each over
  * the whole k, so each C element is still one sequential FMA chain from +0.
  *
@@ -9,12 +9,16 @@
  * widen to 4 ymm (even/odd k x two column groups); each row needs 2
  * accumulators; AVX2 has no embedded broadcast, so 2 ymm hold broadcast A.
  * 4 x 2 + 4 + 2 = 14 of 16 ymm registers; 16 FMAs per 4 widening ops.
- * bf16 weights take 6 x 16 (CM_TILE_MR_AVX2_BF16): with 8 accumulators each FMA chain gets
- * exactly the 4-cycle latency x 2 ports it needs and no slack. 12 accumulators fit when even
- * and odd k are widened apart, each from its own load of the pair (a shift for even k, a shift
- * down and up for odd k: no mask register): 12 + 2 + 1 = 15 ymm, 24 FMAs per 6 widening ops.
- * Against 4 rows, Qwen3 on the AMX Xeon capped to avx2: M = 512 0.954, M = 64 0.927. The
- * chains and their order are the same, so the bits are.
+ * Blocks of 5 and 6 rows take 6 x 16 (CM_TILE_MR_AVX2_16BIT): with 8 accumulators each FMA
+ * chain gets exactly the 4-cycle latency x 2 ports it needs and no slack. 12 accumulators fit
+ * when even and odd k are widened apart: 12 + 2 + 1 = 15 ymm, so nothing else may hold a
+ * register across the loop. bf16 widens each k from its own load of the pair (a shift for even
+ * k, a shift down and up for odd k: no mask register), 24 FMAs per 6 widening ops. fp16 gathers
+ * both 8-column groups' even and odd halves (f16_halves) into an L1 buffer, from which
+ * vcvtph2ps converts each half just before its FMAs (no lane extract); the gather's byte
+ * shuffle control is read from memory each step rather than held in a register. Against 4
+ * rows, Qwen3 on the AMX Xeon capped to avx2: bf16 M = 512 0.954, M = 64 0.927; fp16 M = 512
+ * 0.882, M = 64 0.942. The chains and their order are the same, so the bits are.
  *
  * Widening: bf16 is a shift / mask of each dword; fp16 gathers the even and odd
  * halves of each dword with one byte shuffle and a lane permute, then vcvtph2ps.
@@ -32,11 +36,23 @@
 #include "common/tile-avx2.h"
 #include "common/ukernels.h"
 
-#define MR CM_TILE_MR_AVX2_BF16 /* fp16's tile stays at CM_TILE_MR_AVX2 rows */
+#define MR CM_TILE_MR_AVX2_16BIT
 #define CM_PREFETCH_KPAIRS 32
 #define MR_DECODE 2
 
 typedef enum { W_BF16, W_F16 } weight_kind;
+
+/* the byte shuffle of f16_halves: per 128-bit lane, the even halves of the 4 dwords into the low
+ * 8 bytes, the odd halves into the high 8 */
+static const uint8_t cm_f16_split[32]
+    __attribute__((aligned(32))) = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+
+/* 8 columns' fp16 k pairs (one dword each) -> their even-k words in the low 128 bits and their
+ * odd-k words in the high 128, columns in order: the byte shuffle `split`, then a lane permute */
+static inline __attribute__((always_inline)) __m256i f16_halves(__m256i w, __m256i split) {
+  return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), 0xd8);
+}
 
 static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, __m256i w,
                                                              __m256 *even, __m256 *odd) {
@@ -44,10 +60,7 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
   } else {
-    /* per 128-bit lane: low 8 bytes <- even halves, high 8 bytes <- odd halves */
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
-                                           1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), 0xd8);
+    const __m256i t = f16_halves(w, _mm256_load_si256((const __m256i *)cm_f16_split));
     *even = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
     *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
   }
@@ -81,6 +94,27 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
           a + (2 * kp + 1) * as);
       continue;
     }
+    if (kind == W_F16 && mr > CM_TILE_MR_AVX2) {
+      /* the even and odd halves of both 8-column groups through L1, where vcvtph2ps converts
+       * each half straight from memory (no lane extract) just before its FMAs: 2 B registers
+       * live, not 4 */
+      _Alignas(32) uint16_t halves[32];
+      /* the shuffle's control loaded anew each step (a volatile read), so that it holds no
+       * register across the loop: 12 accumulators + 2 B + a broadcast fill the 16 */
+      const __m256i split = *(const volatile __m256i *)cm_f16_split;
+      _mm256_store_si256((__m256i *)halves,
+                         f16_halves(_mm256_loadu_si256((const __m256i *)bk), split));
+      _mm256_store_si256((__m256i *)(halves + 16),
+                         f16_halves(_mm256_loadu_si256((const __m256i *)(bk + 16)), split));
+      __asm__("" : "+m"(halves)); /* keep the round trip through memory */
+      cm_tile_fma_k__avx2(mr, acc0, acc1, _mm256_cvtph_ps(_mm_load_si128((const __m128i *)halves)),
+                          _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(halves + 16))),
+                          a + 2 * kp * as);
+      cm_tile_fma_k__avx2(
+          mr, acc0, acc1, _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(halves + 8))),
+          _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(halves + 24))), a + (2 * kp + 1) * as);
+      continue;
+    }
     __m256 e0, o0, e1, o1;
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)bk), &e0, &o0);
     widen_pair(kind, _mm256_loadu_si256((const __m256i *)(bk + 16)), &e1, &o1);
@@ -109,7 +143,7 @@ void cm_f16_gemm_f32acc_mrx32__avx2(size_t mr, size_t k, const void *a, size_t a
                                     float *c, int accumulate, cm_prefetch prefetch) {
   (void)prefetch; /* reads ahead on its own */
   CM_EXPECT(k % 2 == 0 && as >= mr);
-  CM_MR_SWITCH4(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
+  CM_MR_SWITCH6(gemm_body, W_F16, k, (const float *)a, as, (const uint16_t *)b, c, accumulate)
 }
 
 /* The decode kernel's widening of 8 columns' k pair at p. bf16 as the tile's. fp16 converts
