@@ -16,6 +16,7 @@
 #define CM_TILE_MR_AVX2VNNI 6   /* the INT8 (and INT4 prefill) tile of avx2vnni */
 #define CM_TILE_MR_AVX2_16BIT 6 /* avx2's bf16/fp16-weight tile (unquant/gemm-avx2.c) */
 #define CM_TILE_MR_AVX2_F32 6   /* avx2's fp32-weight tile: FP8's chunks (fp8/gemm-avx2.c) */
+#define CM_TILE_MR_AVX2_INT8 6  /* avx2's INT8 tile (int8/gemm-avx2.c) */
 
 #define CM_INLINE static inline __attribute__((always_inline))
 

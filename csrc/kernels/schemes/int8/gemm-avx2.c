@@ -10,11 +10,15 @@
  * far inside int32. Accumulation is int32, exact while k*255*128 < 2^31 (k <= 65792; the
  * op checks its reductions against that).
  *
- * Tile 4 x 8 per pass, four passes for 32 columns: a 32-byte B load holds 8 columns x 4 k;
- * sign-extended it is 2 ymm of int16 (columns 0-3 and 4-7, each column's 4 k in 4 int16).
- * Row r's 4 u8 are zero-extended into a 64-bit pattern and broadcast; vpmaddwd then gives
- * two int32 partial sums per column, folded with vphaddd at the end.
- * 4 rows x 2 accumulators + 2 B + 1 A = 11 of 16 ymm. The rows are widened once per stretch
+ * Tile 6 x 8 per pass (CM_TILE_MR_AVX2_INT8), four passes for 32 columns: 32 bytes of B hold
+ * 8 columns x 4 k; sign-extended they are 2 ymm of int16 (columns 0-3 and 4-7, each column's 4
+ * k in 4 int16), each widened straight from memory (a load-op vpmovsxbw; from one 32-byte load
+ * the upper half needs a lane extract too). Row r's 4 u8 are zero-extended into a 64-bit
+ * pattern and broadcast; vpmaddwd then gives two int32 partial sums per column, folded with
+ * vphaddd at the end. 6 rows x 2 accumulators + 2 B + 1 A = 15 of 16 ymm: the B widening is
+ * shared by 12 vpmaddwd instead of 8. Qwen3 M = 512 against the 4-row tile that widened from a
+ * 32-byte load: the load-op widening 0.907, then 6 rows 0.944 and 0.976 (M = 64 about even;
+ * docs/PERFORMANCE-HISTORY.md). The rows are widened once per stretch
  * of 128 k quads into a stack buffer that all four passes broadcast from (a load each, where
  * widening in each pass cost 3 shuffle-port ops per row and quad), and the stretch's 16 KiB
  * of weights stay in L1 across the passes; the accumulators are pinned to their registers
@@ -33,7 +37,7 @@
 #include "common/tile-avx2.h" /* the mr switch */
 #include "common/ukernels.h"
 
-#define MR 4
+#define MR CM_TILE_MR_AVX2_INT8
 
 /* a row's k quad (4 u8) zero-extended to 4 int16 in the low 64 bits */
 static inline __attribute__((always_inline)) __m128i widen_a(const uint8_t *p) {
@@ -56,23 +60,28 @@ static inline __attribute__((always_inline)) void store_sums(int32_t *out, __m25
   _mm256_storeu_si256((__m256i *)out, v);
 }
 
+/* 16 s8 weights (4 columns x 4 k) sign-extended to int16, straight from memory: one load-op
+ * uop, where a 32-byte load would need a lane extract for its upper half. */
+static inline __attribute__((always_inline)) __m256i widen_b(const int8_t *p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
 /* 8 columns [col0, col0 + 8) over `quads` k quads; a16[kq * mr + r] is row r's k quad kq
  * zero-extended to 4 int16 */
 static inline __attribute__((always_inline)) void gemm_cols8(
     const int mr, size_t quads, const int64_t *restrict a16, const int8_t *restrict b,
     int32_t *restrict acc, int accumulate, int col0, cm_prefetch_cursor *pf, size_t pf_steps) {
   __m256i acc0[MR], acc1[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
     acc0[r] = _mm256_setzero_si256();
     acc1[r] = _mm256_setzero_si256();
   }
   for (size_t kq = 0; kq < quads; kq++) {
     cm_prefetch_step(pf, pf_steps);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + kq * 128 + col0 * 4));
-    const __m256i b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-    const __m256i b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
-#pragma GCC unroll 4
+    const __m256i b0 = widen_b(b + kq * 128 + col0 * 4);
+    const __m256i b1 = widen_b(b + kq * 128 + col0 * 4 + 16);
+#pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
       const __m256i x = _mm256_set1_epi64x(a16[kq * (size_t)mr + (size_t)r]); /* a load */
       acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(x, b0));
@@ -80,7 +89,7 @@ static inline __attribute__((always_inline)) void gemm_cols8(
       cm_keep_in_registers2__avx2(&acc0[r], &acc1[r]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
     /* lanes (2j, 2j+1) of acc0 are column j's halves (j < 4), of acc1 column 4 + j */
     store_sums(acc + r * CM_NR + col0, _mm256_hadd_epi32(acc0[r], acc1[r]), accumulate);
@@ -102,7 +111,7 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
   for (size_t kq0 = 0; kq0 < kc / 4; kq0 += A16_QUADS) {
     const size_t quads = kc / 4 - kq0 < A16_QUADS ? kc / 4 - kq0 : A16_QUADS;
     for (size_t kq = 0; kq < quads; kq++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < mr; r++) {
         const __m128i x = widen_a(a + ((kq0 + kq) * as + (size_t)r) * 4);
         a16[kq * (size_t)mr + (size_t)r] = _mm_cvtsi128_si64(x);
@@ -117,13 +126,7 @@ void cm_u8s8_gemm_s32acc_mrx32__avx2(size_t mr, size_t kc, const uint8_t *a, siz
                                      const int8_t *b, int32_t *acc, int accumulate,
                                      cm_prefetch prefetch) {
   CM_EXPECT(kc % 4 == 0 && as >= mr);
-  CM_MR_SWITCH4(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
-}
-
-/* 16 s8 weights (4 columns x 4 k) sign-extended to int16, straight from memory: one load-op
- * uop, where a 32-byte load would need a lane extract for its upper half. */
-static inline __attribute__((always_inline)) __m256i widen_b(const int8_t *p) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+  CM_MR_SWITCH6(gemm_body, kc, a, as, b, acc, accumulate, prefetch)
 }
 
 /* One row: per 8 columns two accumulators of int32 pair sums (as the tile), folded once at
