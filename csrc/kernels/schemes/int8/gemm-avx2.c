@@ -67,10 +67,13 @@ static inline __attribute__((always_inline)) __m256i widen_b(const int8_t *p) {
 }
 
 /* 8 columns [col0, col0 + 8) over `quads` k quads; a16[kq * mr + r] is row r's k quad kq
- * zero-extended to 4 int16 */
-static inline __attribute__((always_inline)) void gemm_cols8(
-    const int mr, size_t quads, const int64_t *restrict a16, const int8_t *restrict b,
-    int32_t *restrict acc, int accumulate, int col0, cm_prefetch_cursor *pf, size_t pf_steps) {
+ * zero-extended to 4 int16; with_pf: one prefetch step per quad */
+static inline __attribute__((always_inline)) void gemm_cols8(const int mr, size_t quads,
+                                                             const int64_t *restrict a16,
+                                                             const int8_t *restrict b,
+                                                             int32_t *restrict acc, int accumulate,
+                                                             int col0, cm_prefetch_cursor *pf,
+                                                             size_t pf_steps, const int with_pf) {
   __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
@@ -78,7 +81,7 @@ static inline __attribute__((always_inline)) void gemm_cols8(
     acc1[r] = _mm256_setzero_si256();
   }
   for (size_t kq = 0; kq < quads; kq++) {
-    cm_prefetch_step(pf, pf_steps);
+    if (with_pf) cm_prefetch_step(pf, pf_steps);
     const __m256i b0 = widen_b(b + kq * 128 + col0 * 4);
     const __m256i b1 = widen_b(b + kq * 128 + col0 * 4 + 16);
 #pragma GCC unroll 8
@@ -105,8 +108,8 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
                                                             const uint8_t *a, size_t as,
                                                             const int8_t *b, int32_t *acc,
                                                             int accumulate, cm_prefetch prefetch) {
-  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over every pass */
-  const size_t pf_steps = CM_NR / 8 * (kc / 4);
+  cm_prefetch_cursor pf = cm_prefetch_begin(prefetch); /* spread over the first passes */
+  const size_t pf_steps = kc / 4;
   int64_t a16[A16_QUADS * MR];
   for (size_t kq0 = 0; kq0 < kc / 4; kq0 += A16_QUADS) {
     const size_t quads = kc / 4 - kq0 < A16_QUADS ? kc / 4 - kq0 : A16_QUADS;
@@ -116,8 +119,12 @@ static inline __attribute__((always_inline)) void gemm_body(const int mr, size_t
         const __m128i x = widen_a(a + ((kq0 + kq) * as + (size_t)r) * 4);
         a16[kq * (size_t)mr + (size_t)r] = _mm_cvtsi128_si64(x);
       }
-    for (int col0 = 0; col0 < CM_NR; col0 += 8)
-      gemm_cols8(mr, quads, a16, b + kq0 * 128, acc, accumulate || kq0 > 0, col0, &pf, pf_steps);
+    /* the caller's share of the next chunk is requested during the first pass alone: the
+     * credit arithmetic of each step is scalar work on the vector ALU ports, which the other
+     * three passes are spared */
+    gemm_cols8(mr, quads, a16, b + kq0 * 128, acc, accumulate || kq0 > 0, 0, &pf, pf_steps, 1);
+    for (int col0 = 8; col0 < CM_NR; col0 += 8)
+      gemm_cols8(mr, quads, a16, b + kq0 * 128, acc, accumulate || kq0 > 0, col0, &pf, pf_steps, 0);
   }
   cm_prefetch_finish(&pf);
 }
