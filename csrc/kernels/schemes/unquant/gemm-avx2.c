@@ -14,12 +14,11 @@
  * when even and odd k are widened apart: 12 + 2 + 1 = 15 ymm, so nothing else may hold a
  * register across the loop. bf16 widens each k from its own load of the pair: a shift for even
  * k, an and with a mask read from memory each step (no register held) for odd k, 24 FMAs per 4
- * widening ops, of which only the 2 shifts take an FMA port. (A shift down and up for odd k,
- * before: Qwen3 M = 512 0.935 the time with the mask, MXFP4's bf16 chunks 0.877, M = 64 even.)
- * fp16 gathers
- * both 8-column groups' even and odd halves (f16_halves) into an L1 buffer, from which
- * vcvtph2ps converts each half just before its FMAs (no lane extract); the gather's byte
- * shuffle control is read from memory each step rather than held in a register. Against 4
+ * widening ops, of which only the 2 shifts take an FMA port (against a shift down and up for
+ * odd k: Qwen3 M = 512 0.935, MXFP4's bf16 chunks 0.877, M = 64 even). fp16 gathers both
+ * 8-column groups' even and odd halves (f16_halves) into an L1 buffer, from which vcvtph2ps
+ * converts each half just before its FMAs (no lane extract); the gather's byte shuffle
+ * control, like bf16's mask, is read from memory each step (step_constant). Against 4
  * rows, Qwen3 on the AMX Xeon capped to avx2: bf16 M = 512 0.954, M = 64 0.927; fp16 M = 512
  * 0.882, M = 64 0.942. The chains and their order are the same, so the bits are.
  *
@@ -51,6 +50,18 @@ static const uint8_t cm_f16_split[32]
     __attribute__((aligned(32))) = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                     0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
 
+/* the odd-k halves of 8 bf16 dwords */
+static const uint32_t cm_bf16_odd_mask[8]
+    __attribute__((aligned(32))) = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                    0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+
+/* A 32-byte constant read from memory at each use (a volatile load), for the 6-row tiles:
+ * their 12 accumulators, 2 B vectors and a broadcast fill 15 of the 16 ymm, and a constant
+ * hoisted out of the loop into the last one made GCC spill accumulators. */
+static inline __attribute__((always_inline)) __m256i step_constant(const void *p) {
+  return *(const volatile __m256i *)p;
+}
+
 /* 8 columns' fp16 k pairs (one dword each) -> their even-k words in the low 128 bits and their
  * odd-k words in the high 128, columns in order: the byte shuffle `split`, then a lane permute */
 static inline __attribute__((always_inline)) __m256i f16_halves(__m256i w, __m256i split) {
@@ -61,18 +72,14 @@ static inline __attribute__((always_inline)) void widen_pair(weight_kind kind, _
                                                              __m256 *even, __m256 *odd) {
   if (kind == W_BF16) {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+    *odd = _mm256_castsi256_ps(
+        _mm256_and_si256(w, _mm256_load_si256((const __m256i *)cm_bf16_odd_mask)));
   } else {
     const __m256i t = f16_halves(w, _mm256_load_si256((const __m256i *)cm_f16_split));
     *even = _mm256_cvtph_ps(_mm256_castsi256_si128(t));
     *odd = _mm256_cvtph_ps(_mm256_extracti128_si256(t, 1));
   }
 }
-
-/* the odd-k halves of 8 bf16 dwords (the 6-row tile's odd k) */
-static const uint32_t cm_bf16_odd_mask[8]
-    __attribute__((aligned(32))) = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
-                                    0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 
 /* 16 columns starting at column `col0` of the 32-wide tile. */
 static inline __attribute__((always_inline)) void gemm_half(const int mr, weight_kind kind,
@@ -92,9 +99,8 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
       const __m256i w1 = _mm256_loadu_si256((const __m256i *)(bk + 16));
       cm_tile_fma_k__avx2(mr, acc0, acc1, _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)),
                           _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), a + 2 * kp * as);
-      /* odd k: the mask, read from memory each step (a volatile read) so that it holds no
-       * register across the loop, and-ed with each half from L1 (no FMA-port shift) */
-      const __m256i odd_mask = *(const volatile __m256i *)cm_bf16_odd_mask;
+      /* odd k: the mask and-ed with each half from L1 (no FMA-port shift) */
+      const __m256i odd_mask = step_constant(cm_bf16_odd_mask);
       cm_tile_fma_k__avx2(
           mr, acc0, acc1,
           _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)bk), odd_mask)),
@@ -108,9 +114,7 @@ static inline __attribute__((always_inline)) void gemm_half(const int mr, weight
        * each half straight from memory (no lane extract) just before its FMAs: 2 B registers
        * live, not 4 */
       _Alignas(32) uint16_t halves[32];
-      /* the shuffle's control loaded anew each step (a volatile read), so that it holds no
-       * register across the loop: 12 accumulators + 2 B + a broadcast fill the 16 */
-      const __m256i split = *(const volatile __m256i *)cm_f16_split;
+      const __m256i split = step_constant(cm_f16_split);
       _mm256_store_si256((__m256i *)halves,
                          f16_halves(_mm256_loadu_si256((const __m256i *)bk), split));
       _mm256_store_si256((__m256i *)(halves + 16),
