@@ -87,6 +87,73 @@ def test_bench_prints_a_skip_line_per_missing_peer(tmp_path, monkeypatch, fresh_
     assert doc["settings"]["peers_unavailable"] == reasons
 
 
+@pytest.fixture
+def peer_cap():
+    """``--peer-isa`` is process state: none again after the test."""
+    yield common.set_peer_isa
+    common.set_peer_isa(None)
+
+
+# Every flag an AMX Xeon reports that matters here, in /proc/cpuinfo's names and in
+# cpumoe.cpu_features()'.
+_AMX_XEON_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                   "avx512cd", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "avx512_fp16",
+                   "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "avx512vnni", "avx512bf16",
+                   "avx512vbmi", "amx-bf16", "amx-int8", "amx-tile", "avx-vnni"}
+
+
+def test_peer_isa_caps_the_flags_the_peers_see(peer_cap):
+    assert common.capped_flags(_AMX_XEON_FLAGS) == _AMX_XEON_FLAGS
+    peer_cap("avx2")
+    assert common.capped_flags(_AMX_XEON_FLAGS) == {"avx2", "fma", "f16c"}
+    peer_cap("avx512")
+    assert common.capped_flags(_AMX_XEON_FLAGS) == {
+        "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
+        "avx512_vnni", "avx512vnni"}
+    with pytest.raises(ValueError, match="avx2, avx512"):
+        peer_cap("amx")
+
+
+def test_peer_isa_picks_the_builds_of_the_capped_cpu(monkeypatch, peer_cap, fresh_loaders):
+    """On an AMX Xeon vLLM's loader picks _C.abi3.so and the tile path; capped, the build of
+    an AVX2 CPU or a Cascade Lake, and SGLang's kernels (AMX only) say why they cannot run."""
+    monkeypatch.setattr(vllm_moe, "cpu_features", lambda: sorted(_AMX_XEON_FLAGS))
+    monkeypatch.setattr(sglang, "cpu_features", lambda: sorted(_AMX_XEON_FLAGS))
+    assert vllm_moe.vllm_library_file() == "_C.abi3.so"
+    assert vllm_moe.vllm_isa(torch.bfloat16) == "amx"
+    peer_cap("avx2")
+    assert vllm_moe.vllm_library_file() == "_C_AVX2.abi3.so"
+    assert vllm_moe.vllm_isa(torch.bfloat16) == "vec"
+    ops, why = sglang.sglang_library()
+    assert ops is None and "with --peer-isa avx2" in why and "amx-bf16" in why
+    peer_cap("avx512")
+    assert vllm_moe.vllm_library_file() == "_C_AVX512.abi3.so"
+
+
+def test_peer_isa_refuses_a_ggml_built_above_the_cap(monkeypatch, peer_cap):
+    """ggml picks its instructions when it is built: under a cap, a library with AVX-512
+    compiled in is skipped with the line that builds one without it."""
+    class FakeGgml:
+        def __init__(self, compiled):
+            for name in ("avx2", "avx512", "avx512_vnni", "avx512_vbmi", "avx512_bf16",
+                         "avx_vnni", "amx_int8"):
+                setattr(self, f"ggml_cpu_has_{name}", lambda n=name: int(n in compiled))
+
+    native = FakeGgml({"avx2", "avx512", "avx512_vnni", "avx512_bf16"})
+    monkeypatch.setattr(llama_ggml, "ggml_module", lambda: (native, None))
+    assert llama_ggml.ggml_unavailable(torch.bfloat16) is None
+    peer_cap("avx2")
+    why = llama_ggml.ggml_unavailable(torch.bfloat16)
+    assert "built with avx512, avx512_vnni, avx512_bf16, above --peer-isa avx2" in why
+    assert "-DGGML_NATIVE=OFF" in why
+    peer_cap("avx512")
+    assert "built with avx512_bf16, above --peer-isa avx512" in llama_ggml.ggml_unavailable(
+        torch.bfloat16)
+    monkeypatch.setattr(llama_ggml, "ggml_module", lambda: (FakeGgml({"avx2"}), None))
+    peer_cap("avx2")
+    assert llama_ggml.ggml_unavailable(torch.bfloat16) is None
+
+
 def test_gptq_symmetric_packing():
     """Nibble j of qweight[k8, n] is input channel 8 k8 + j of output n; the value is
     (q - 8) * scale of its group; the largest magnitude of a group maps to -8."""

@@ -27,7 +27,7 @@ from .machine import (
     measure_limits,
     measure_peaks,
 )
-from .peers import INSTALL, PEER_GROUPS
+from .peers import INSTALL, PEER_GROUPS, PEER_ISAS, set_peer_isa
 from .report import (
     _matplotlib_figure,
     build_document,
@@ -181,6 +181,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         + ", ".join(PEERS) + " (ggml = ggml,ggml_q4k; kt = kt,kt_gptq), or "
                         "all; a peer whose output disagrees with cpumoe's is reported, not "
                         "timed. Installs: " + "; ".join(f"{k}: {v}" for k, v in INSTALL.items()))
+    p.add_argument("--peer-isa", choices=PEER_ISAS, default=None,
+                   help="the peers load the builds they would pick on a CPU with no more than "
+                        "this: avx2 (no AVX-512, AVX-VNNI or AMX: vLLM's _C_AVX2, "
+                        "KTransformers' avx2 build, no SGLang) or avx512 (a Cascade Lake: "
+                        "vLLM's _C_AVX512, KTransformers' avx512_vnni); to compare with cpumoe "
+                        "capped the same way (CPUMOE_ISA). ggml chooses its instructions when it "
+                        "is built: it runs only if the installed ggml-python has none above the "
+                        "cap (benchmarks/README.md says how to build one)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the in-process baselines (the PyTorch eager per-expert loop and "
                         "torch's int8/int4 weight-only loops)")
@@ -263,6 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = resolve_arguments(parser.parse_args(argv))
     shapes = _checked_arguments(parser, args)
+    set_peer_isa(args.peer_isa)
     torch.set_num_threads(args.threads[0])
     return run(args, shapes)
 

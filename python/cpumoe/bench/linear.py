@@ -66,6 +66,7 @@ from .machine import (
     peak_loop,
     weight_copy,
 )
+from .peers import PEER_ISAS, set_peer_isa
 from .peers.vllm_linear import vllm_linear_call, vllm_linear_unavailable
 from .schemes import SCHEMES as MOE_SCHEMES
 
@@ -392,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of calls per implementation and row (default 1.0)")
     p.add_argument("--peers", default="all", type=lambda t: _names(t, list(PEERS), "peer"),
                    help=f"comma list of {', '.join(PEERS)}, all (default) or none")
+    p.add_argument("--peer-isa", choices=PEER_ISAS, default=None,
+                   help="vLLM's ops load the build they would pick on a CPU with no more than "
+                        "this (as in python -m cpumoe bench --peer-isa)")
     p.add_argument("--copies", type=int, default=None,
                    help=f"weight copies the calls cycle through (default: max(1 GiB, "
                         f"8 x LLC) of them, at most {MAX_COPIES})")
@@ -442,6 +446,7 @@ def format_table(doc: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    set_peer_isa(args.peer_isa)
     ms = [int(v) for v in args.m.split(",") if v.strip()]
     if not ms or any(m <= 0 for m in ms):
         build_parser().error(f"--m expects positive integers, got '{args.m}'")
@@ -469,7 +474,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                limits=dict(read_gbps=limits.read_gbps, peaks=limits.peaks,
                            samples=limit_samples),
                limits_end=dict(read_gbps=end.read_gbps, peaks=end.peaks, samples=end_samples),
-               peers=args.peers, rows=rows)
+               peers=args.peers, peer_isa=args.peer_isa, rows=rows)
     print(format_table(doc))
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,7 @@ import torch
 
 from .baselines import BASELINES, PEERS, _speedup_key
 from .machine import Limits, _GiB, build_info, drift_line, peak_loop
+from .peers import peer_isa
 from .schemes import SCHEMES
 from .shapes import DTYPES
 
@@ -336,6 +337,9 @@ def _method_lines(plan: "RunPlan", dtype: str, capped: Optional[dict]) -> List[s
     for key in plan.baseline_keys:
         b = BASELINES[key]
         lines.append(f"vs {b.column} = {b.text} / cpumoe;")
+    if peer_isa() and any(key in PEERS for key in plan.unavailable):
+        lines.append(f"peers capped (--peer-isa {peer_isa()}): each loads the build it would "
+                     f"pick on a CPU with no more than {peer_isa()};")
     for key, reason in plan.unavailable.items():
         if reason:
             kind = "peer" if key in PEERS else "baseline"
@@ -510,7 +514,7 @@ def build_document(info: dict, plan: "RunPlan", args, limits_by_threads: Dict[in
             "baseline_isa": plan.capped_isa,
             "int8pack_unavailable": plan.unavailable.get("int8pack"),
             "int4pack_unavailable": plan.unavailable.get("int4pack"),
-            "peers": list(args.peers),
+            "peers": list(args.peers), "peer_isa": peer_isa(),
             "peers_unavailable": {k: r for k, r in plan.unavailable.items()
                                   if k in PEERS and r},
             "seed": args.seed, "timing": "median of per-call wall time, fresh routing per call",

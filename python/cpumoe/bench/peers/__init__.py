@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
-from .common import AGREEMENT_BY_BITS, PEER_AGREEMENT, PeerFormat
+from .common import AGREEMENT_BY_BITS, PEER_AGREEMENT, PEER_ISAS, PeerFormat, peer_isa, set_peer_isa
 from .ktransformers import KT_INSTALL, kt_call, kt_format, kt_module, kt_unavailable
 from .llama_ggml import GGML_INSTALL, ggml_call, ggml_format, ggml_module, ggml_unavailable
 from .sglang import SGLANG_INSTALL, sglang_call, sglang_format, sglang_library, sglang_unavailable
@@ -77,7 +77,7 @@ INSTALL = {"sglang": SGLANG_INSTALL, "ggml": GGML_INSTALL, "vllm": VLLM_INSTALL,
            "kt": KT_INSTALL}
 
 __all__ = [
-    "AGREEMENT_BY_BITS", "INSTALL", "PEER_AGREEMENT", "PEER_GROUPS",
-    "PEER_ROWS", "PeerFormat", "PeerRow", "ggml_module", "kt_module", "sglang_call",
-    "sglang_library", "sglang_unavailable", "vllm_library",
+    "AGREEMENT_BY_BITS", "INSTALL", "PEER_AGREEMENT", "PEER_GROUPS", "PEER_ISAS",
+    "PEER_ROWS", "PeerFormat", "PeerRow", "ggml_module", "kt_module", "peer_isa",
+    "set_peer_isa", "sglang_call", "sglang_library", "sglang_unavailable", "vllm_library",
 ]

@@ -58,14 +58,58 @@ def package_dir(name: str) -> Optional[str]:
     return list(spec.submodule_search_locations)[0]
 
 
+# ``--peer-isa``: the peers pick their builds as on a CPU with no more than these instruction
+# sets, so that they can be compared with cpumoe capped the same way (``CPUMOE_ISA``) on a
+# bigger CPU: "avx2" (an AVX2-only CPU such as AMD Zen 3: no AVX-512, AVX-VNNI or AMX) or
+# "avx512" (a Cascade Lake: AVX-512 F/BW/VL/DQ/CD and VNNI, nothing newer). None: this CPU.
+PEER_ISAS = ("avx2", "avx512")
+_CASCADE_LAKE_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni",
+                        "avx512vnni"}
+_peer_isa: Optional[str] = None
+
+
+def set_peer_isa(name: Optional[str]) -> None:
+    """Caps the peers' CPU at ``name`` (one of :data:`PEER_ISAS`, or None for none). Call it
+    before any peer loads: each library is loaded once per process."""
+    global _peer_isa
+    if name is not None and name not in PEER_ISAS:
+        raise ValueError(f"peer ISA {name!r}: expected one of {', '.join(PEER_ISAS)}")
+    _peer_isa = name
+
+
+def peer_isa() -> Optional[str]:
+    return _peer_isa
+
+
+def peer_isa_note() -> str:
+    """" with --peer-isa NAME" under a cap, else "": for the peers' messages."""
+    return f" with --peer-isa {_peer_isa}" if _peer_isa else ""
+
+
+def capped_flags(flags) -> set:
+    """``flags`` (``/proc/cpuinfo``'s names or :func:`cpumoe.cpu_features`') without those
+    above the ``--peer-isa`` cap."""
+    if _peer_isa is None:
+        return set(flags)
+    kept_avx512 = _CASCADE_LAKE_AVX512 if _peer_isa == "avx512" else set()
+
+    def above(flag: str) -> bool:
+        flag = flag.lower()
+        return (flag.startswith("amx") or flag in ("avx_vnni", "avxvnni", "avx-vnni")
+                or (flag.startswith("avx512") and flag not in kept_avx512))
+
+    return {f for f in flags if not above(f)}
+
+
 def cpu_flags() -> set:
     """The kernel's feature flags of the first CPU (``/proc/cpuinfo``), which is how the
-    peers' own loaders pick their builds; empty where it cannot be read."""
+    peers' own loaders pick their builds, less those above ``--peer-isa``; empty where it
+    cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return capped_flags(line.split(":", 1)[1].split())
     except OSError:
         pass
     return set()

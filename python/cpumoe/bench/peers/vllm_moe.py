@@ -25,7 +25,7 @@ import torch
 
 from ... import cpu_features
 from ..._switch import vllm_kernel_file
-from .common import PEER_AGREEMENT, PeerFormat, cached, copies, package_dir
+from .common import PEER_AGREEMENT, PeerFormat, cached, capped_flags, copies, package_dir
 
 if TYPE_CHECKING:
     from ..schemes import ExpertWeights
@@ -58,7 +58,7 @@ def vllm_ops(filename: str) -> Tuple[Optional[object], Optional[str]]:
 
 def vllm_library_file() -> Optional[str]:
     """The build vLLM itself loads on this CPU, or None on a CPU without AVX2."""
-    return vllm_kernel_file(cpu_features())
+    return vllm_kernel_file(capped_flags(cpu_features()))
 
 
 def vllm_library() -> Tuple[Optional[object], Optional[str]]:
@@ -76,7 +76,7 @@ def vllm_unavailable(dtype: torch.dtype) -> Optional[str]:
 
 
 def vllm_isa(dtype: torch.dtype) -> str:
-    amx = "amx-bf16" in cpu_features() and vllm_library_file() == "_C.abi3.so"
+    amx = "amx-bf16" in capped_flags(cpu_features()) and vllm_library_file() == "_C.abi3.so"
     return "amx" if amx and dtype == torch.bfloat16 else "vec"
 
 
@@ -86,7 +86,7 @@ def vllm_format(w: ExpertWeights) -> Union[PeerFormat, str]:
     if (2 * w.shape.N) % 64 or w.shape.K % 32:
         return "vLLM's cpu_fused_moe needs N a multiple of 32 and K a multiple of 32"
     isa = vllm_isa(w.dtype)
-    return PeerFormat(w.scheme, 2.0, PEER_AGREEMENT, f"isa {isa}")
+    return PeerFormat(w.scheme, 2.0, PEER_AGREEMENT, f"{vllm_library_file()}, isa {isa}")
 
 
 def vllm_call(w: ExpertWeights, x: torch.Tensor):
