@@ -237,6 +237,11 @@ static void cm_config_init__avx512(cm_tier_config *c) {
     with_decode(&c->gemm[CM_INT4][act], CM_DECODE_MAX_ROWS, CM_PANEL_U8_QUADS_BLOCK_SUMS)
         ->kernels.int4.gemm_decode = cm_int4_gemm_f32acc_mrx32__avx512;
     with_decode(&c->gemm[CM_MXFP4][act], CM_DECODE_MAX_ROWS, CM_PANEL_F32);
+    /* the dense linear's blocks of 8 panels (96 rows per pass over a weight chunk, INT8's
+     * chunks twice as long): Qwen3 M = 512 on the AMX Xeon capped to avx512, paired A/B
+     * against blocks of 4, q / o projection: INT8 0.970 / 0.940, INT4 0.976 / 0.981 */
+    c->gemm[CM_INT8][act].linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
+    c->gemm[CM_INT4][act].linear_block_panels = CM_PANELS_PER_BLOCK_MAX;
   }
 }
 
