@@ -16,12 +16,14 @@ from cpumoe.bench import linear
 from cpumoe_testing import subprocess_env
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_bench_linear_runs(tmp_path, dtype):
+# capped to avx2 (--peer-isa), vLLM's loader picks its AVX2 build, which has no linear ops
+@pytest.mark.parametrize("dtype, peer_isa", [("bf16", None), ("fp16", None), ("bf16", "avx2")])
+def test_bench_linear_runs(tmp_path, dtype, peer_isa):
     out = tmp_path / "linear.json"
     cmd = [sys.executable, "-m", "cpumoe", "bench", "linear", "--shape", "custom:128,96",
            "--scheme", "all", "--m", "1,33", "--min-time", "0.01", "--copies", "2",
            "--bw-mib", "64", "--threads", "2", "--dtype", dtype, "--json", str(out)]
+    cmd += ["--peer-isa", peer_isa] if peer_isa else []
     res = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
                          timeout=600)
     assert res.returncode == 0, res.stderr
@@ -30,6 +32,7 @@ def test_bench_linear_runs(tmp_path, dtype):
     assert [(r["scheme"], r["M"]) for r in rows] == [
         (s, m) for s in linear.LINEAR_SCHEMES for m in (1, 33)]
     assert set(doc["peers"]) == set(linear.PEERS)
+    assert doc["peer_isa"] == peer_isa
     for r in rows:
         assert r["ms"] > 0 and r["percent_read_bandwidth"] > 0 and r["percent_peak"] > 0
         assert r["rel_diff_vs_reference"] <= (0 if r["scheme"] in ("int8", "int4") else 1e-2)
@@ -48,6 +51,8 @@ def test_bench_linear_runs(tmp_path, dtype):
         assert f"{kind} peak at the end: " in res.stdout
     timed = {k for r in rows for k, p in r["peers"].items() if "ms" in p}
     assert "eager" in timed
+    if peer_isa:
+        assert "vllm" not in timed
     assert "WARNING" not in res.stdout
 
 

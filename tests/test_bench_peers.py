@@ -154,6 +154,26 @@ def test_peer_isa_refuses_a_ggml_built_above_the_cap(monkeypatch, peer_cap):
     assert llama_ggml.ggml_unavailable(torch.bfloat16) is None
 
 
+def test_bench_reports_the_peer_cap(tmp_path, monkeypatch, fresh_loaders, peer_cap, capsys):
+    """--peer-isa sets the cap before any peer loads, and the header and the JSON say so."""
+    from cpumoe import bench
+
+    seen = []
+    monkeypatch.setattr(bench.cli, "set_peer_isa", lambda name: (seen.append(name), peer_cap(name)))
+    path = tmp_path / "bench.json"
+    assert bench.main(["--shape", "custom:8,2,256,128", "--scheme", "bf16", "--m", "1",
+                       "--iters", "1", "--min-time", "0.01", "--bw-mib", "16", "--threads",
+                       "1", "--no-baseline", "--peers", "sglang", "--peer-isa", "avx2",
+                       "--json", str(path)]) == 0
+    assert seen == ["avx2"]
+    out = capsys.readouterr().out
+    assert "peers capped (--peer-isa avx2)" in out
+    assert "with --peer-isa avx2" in out  # SGLang's kernels need AMX
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["peer_isa"] == "avx2"
+    assert "with --peer-isa avx2" in doc["settings"]["peers_unavailable"]["sglang"]
+
+
 def test_gptq_symmetric_packing():
     """Nibble j of qweight[k8, n] is input channel 8 k8 + j of output n; the value is
     (q - 8) * scale of its group; the largest magnitude of a group maps to -8."""
