@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .common import AGREEMENT_BY_BITS, PeerFormat, cached, copies, peer_isa
+from .common import AGREEMENT_BY_BITS, PeerFormat, cached, capped_flags, copies, peer_isa
 
 if TYPE_CHECKING:
     from ..schemes import ExpertWeights
@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 GGML_INSTALL = ("pip install --no-deps ggml-python==0.0.45 (built from source on install: "
                 "needs cmake and a C compiler)")
 # ggml compiles its SIMD paths in (for the building CPU, by default), so under --peer-isa the
-# installed library must have none above the cap: these ggml_cpu_has_* report what it has.
-_GGML_ABOVE_CAP = {
-    "avx2": ("avx512", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "avx_vnni", "amx_int8"),
-    "avx512": ("avx512_vbmi", "avx512_bf16", "avx_vnni", "amx_int8"),
-}
+# installed library must have none above the cap: ggml_cpu_has_<name> reports what it has,
+# each name checked against the cap as the CPU flag it stands for (common.capped_flags).
+_GGML_FEATURE_FLAGS = {"avx512": "avx512f", "avx512_vnni": "avx512_vnni",
+                       "avx512_vbmi": "avx512_vbmi", "avx512_bf16": "avx512_bf16",
+                       "avx_vnni": "avx_vnni", "amx_int8": "amx_int8"}
 GGML_AVX2_INSTALL = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
                      "-DGGML_F16C=ON' pip install --no-deps --no-binary ggml-python --target DIR "
                      "ggml-python==0.0.45, then PYTHONPATH=DIR")
@@ -77,10 +77,11 @@ def ggml_unavailable(dtype: torch.dtype) -> Optional[str]:
     cap = peer_isa()
     if G is None or cap is None:
         return why
-    above = [n for n in _GGML_ABOVE_CAP[cap] if getattr(G, f"ggml_cpu_has_{n}", lambda: 0)()]
+    above = [n for n, flag in _GGML_FEATURE_FLAGS.items()
+             if not capped_flags({flag}) and getattr(G, f"ggml_cpu_has_{n}", lambda: 0)()]
     if above:
-        return (f"this ggml-python is built with {', '.join(above)}, above --peer-isa {cap}; an "
-                f"AVX2-only build: {GGML_AVX2_INSTALL}")
+        return (f"this ggml-python is built with {', '.join(above)}, above --peer-isa {cap}; "
+                f"one built for AVX2 only: {GGML_AVX2_INSTALL}")
     return None
 
 
